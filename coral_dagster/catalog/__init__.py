@@ -1,0 +1,1 @@
+"""Catalogs: GPU types, node configurations, models, prices and scenarios, loaded and validated from `data/`."""

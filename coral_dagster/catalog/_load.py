@@ -1,0 +1,57 @@
+"""Shared YAML reading and field checks that report file, row, field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from coral_dagster.errors import CatalogError
+
+
+def read_yaml(path: Path) -> Any:
+    """Read a YAML file, turning syntax errors into a `CatalogError` with the line."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise CatalogError(path, "-", "-", "file not found", "restore it from the repository or pass another path")
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        row = mark.line + 1 if mark else "?"
+        raise CatalogError(path, row, "-", f"invalid YAML ({exc})", "fix the syntax on that line")
+
+
+def rows_of(doc: Any, key: str, path: Path) -> list[dict]:
+    """The list under `key`, checked to be a list of mappings."""
+    rows = doc.get(key) if isinstance(doc, dict) else None
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise CatalogError(path, "-", key, f"expected a list of entries under {key!r}", f"add '{key}: [...]'")
+    return rows
+
+
+def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: int, *, positive: bool = False,
+          default: Any = ...) -> Any:
+    """One typed field of one row; missing, mistyped or non-positive values raise `CatalogError`."""
+    if name not in row:
+        if default is not ...:
+            return default
+        raise CatalogError(path, idx, name, "missing", f"add {name} to entry {idx}")
+    value = row[name]
+    if kind in (float, (int, float)) and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value) if kind is float else value
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise CatalogError(path, idx, name, f"{value!r} is not a {getattr(kind, '__name__', kind)}",
+                           f"give {name} a value of that type")
+    if positive and value <= 0:
+        raise CatalogError(path, idx, name, f"{value!r} must be positive", f"give {name} a value above 0")
+    return value
+
+
+def check_unique(keys: list[str], path: Path, name: str) -> None:
+    """Raise on the first duplicate key, naming both rows."""
+    seen: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        if k in seen:
+            raise CatalogError(path, i, name, f"duplicate {k!r} (first at entry {seen[k]})", "remove one of them")
+        seen[k] = i

@@ -1,0 +1,70 @@
+"""A price and availability snapshot: what each region sells, at what price, and how many nodes it has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+import pandas as pd
+
+from coral_dagster.catalog.nodes import NodeConfig
+from coral_dagster.errors import UnknownNameError
+
+
+@dataclass(frozen=True)
+class Offer:
+    """One node configuration on sale in one region."""
+
+    region: str
+    node: NodeConfig
+    instance_type: str
+    usd_per_hour: float
+    spot_usd_per_hour: float | None
+    available_nodes: int
+
+
+@dataclass(frozen=True)
+class MarketSnapshot:
+    """Prices and availability per (region, node configuration) at one moment."""
+
+    snapshot_id: str
+    taken_at: datetime
+    offers: tuple[Offer, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {(o.region, o.node): o for o in self.offers})
+
+    def offer(self, region: str, node: NodeConfig) -> Offer | None:
+        """The offer for `node` in `region`, or None when the region does not sell it."""
+        return self._index.get((region, node))  # type: ignore[attr-defined]
+
+    def price(self, region: str, node: NodeConfig) -> float:
+        """On-demand $/node-hour; raises when the region does not sell the node."""
+        o = self.offer(region, node)
+        if o is None:
+            raise UnknownNameError(f"node configuration in {region}", str(node),
+                                   [str(x.node) for x in self.offers if x.region == region])
+        return o.usd_per_hour
+
+    def availability(self, region: str, node: NodeConfig) -> int:
+        """Nodes of `node` that `region` can give us now (0 when not sold there)."""
+        o = self.offer(region, node)
+        return o.available_nodes if o else 0
+
+    @property
+    def regions(self) -> tuple[str, ...]:
+        return tuple(sorted({o.region for o in self.offers}))
+
+    @property
+    def nodes(self) -> tuple[NodeConfig, ...]:
+        return tuple(sorted({o.node for o in self.offers}))
+
+    def to_frame(self) -> pd.DataFrame:
+        """One row per offer, with the snapshot id and time."""
+        return pd.DataFrame([
+            {"snapshot_id": self.snapshot_id, "taken_at": self.taken_at, "region": o.region, "node": str(o.node),
+             "gpu": o.node.gpu, "gpus": o.node.count, "instance_type": o.instance_type,
+             "usd_per_hour": o.usd_per_hour, "spot_usd_per_hour": o.spot_usd_per_hour,
+             "available_nodes": o.available_nodes}
+            for o in self.offers
+        ])

@@ -1,0 +1,29 @@
+"""Write the validated catalogs into the DuckDB store in one transaction."""
+
+from __future__ import annotations
+
+from coral_dagster.catalog.frames import CATALOG_FRAMES
+from coral_dagster.catalog.market import MarketSnapshot
+from coral_dagster.store.duck import Store, write_frame
+
+
+def load_catalogs(store: Store) -> dict[str, int]:
+    """Replace the `catalog_*` tables with the bundled catalogs; returns rows per table."""
+    frames = {f"catalog_{name}": build() for name, build in CATALOG_FRAMES.items()}
+    with store.transaction() as con:
+        for table, df in frames.items():
+            write_frame(con, table, df, mode="replace")
+    return {table: len(df) for table, df in frames.items()}
+
+
+def append_snapshot(store: Store, snapshot: MarketSnapshot) -> int:
+    """Append one price/availability snapshot to `market_snapshots` (history is never rewritten)."""
+    df = snapshot.to_frame()
+    with store.transaction() as con:
+        exists = con.execute(
+            "SELECT count(*) FROM information_schema.tables WHERE table_name = 'market_snapshots'").fetchall()[0][0]
+        if exists and con.execute("SELECT count(*) FROM market_snapshots WHERE snapshot_id = ?",
+                                  [snapshot.snapshot_id]).fetchall()[0][0]:
+            return 0
+        write_frame(con, "market_snapshots", df)
+    return len(df)

@@ -1,0 +1,38 @@
+"""Printing helpers shared by the CLI modules: rich tables for people, JSON for scripts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+
+def emit_json(data: Any) -> None:
+    """Print `data` as JSON (DataFrames become lists of records)."""
+    if isinstance(data, pd.DataFrame):
+        data = json.loads(data.to_json(orient="records", date_format="iso"))
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def emit_table(df: pd.DataFrame, title: str = "") -> None:
+    """Print a DataFrame as a rich table."""
+    table = Table(title=title or None)
+    for col in df.columns:
+        table.add_column(str(col), justify="right" if pd.api.types.is_numeric_dtype(df[col]) else "left")
+    for row in df.itertuples(index=False):
+        table.add_row(*("" if pd.isna(v) else f"{v:,.4g}" if isinstance(v, float) else str(v) for v in row))
+    Console(width=200).print(table)
+
+
+def emit(df: pd.DataFrame, as_json: bool, title: str = "") -> None:
+    """Table or JSON, as the user asked."""
+    emit_json(df) if as_json else emit_table(df, title)
+
+
+json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+db_option = click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
+                         help="DuckDB file (default: $CORAL_DB or data/coral.duckdb).")

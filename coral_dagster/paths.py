@@ -1,0 +1,19 @@
+"""Where Coral finds its bundled data and its DuckDB file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DATA_DIR = Path(os.environ.get("CORAL_DATA_DIR", REPO_ROOT / "data"))
+CATALOG_DIR = DATA_DIR / "catalog"
+PRICES_DIR = DATA_DIR / "prices"
+SCENARIOS_DIR = DATA_DIR / "scenarios"
+PROFILES_DIR = DATA_DIR / "profiles"
+TRACES_DIR = DATA_DIR / "traces"
+
+
+def default_db_path() -> Path:
+    """The DuckDB file: `$CORAL_DB` when set, else `data/coral.duckdb`."""
+    return Path(os.environ.get("CORAL_DB", DATA_DIR / "coral.duckdb"))
