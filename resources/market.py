@@ -1,0 +1,37 @@
+"""Market feeds: where price and availability snapshots come from (bundled snapshot here, SkyPilot's live catalog)."""
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+
+import dagster as dg
+from pydantic import Field
+
+from coral_dagster.catalog.market import MarketSnapshot
+from coral_dagster.catalog.prices import build_node_prices
+from coral_dagster.catalog.scenarios import Scenario
+
+
+class MarketFeed(dg.ConfigurableResource, ABC):
+    """Gives a price and availability snapshot for a scenario's regions and node configurations."""
+
+    @abstractmethod
+    def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
+        """The market as of now."""
+
+
+class BundledMarketFeed(MarketFeed):
+    """The price snapshot shipped under `data/prices/` (SkyPilot catalog v8 rows, read 2026-11-29)."""
+
+    def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
+        return scenario.market(availability_scale)
+
+
+class SkyPilotCatalogFeed(MarketFeed):
+    """SkyPilot's own catalog files, which SkyPilot refreshes from the public catalog (`~/.sky/catalogs/v8`)."""
+
+    catalog_dir: str = Field(default="~/.sky/catalogs/v8", description="Folder holding aws/vms.csv and gcp/vms.csv.")
+
+    def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
+        root = Path(self.catalog_dir).expanduser()
+        build = build_node_prices(root / "aws" / "vms.csv", root / "gcp" / "vms.csv")
+        return scenario.market(availability_scale, prices=build.prices)
