@@ -1,0 +1,138 @@
+"""`coral launch` and `coral status`: run a plan on SkyPilot (or show what that would do) and show the deployment."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+import pandas as pd
+
+from coral_dagster.cli._out import db_option, emit, emit_json, json_option
+
+
+def _records(df: pd.DataFrame) -> list[dict]:
+    """A frame as JSON-ready records (NaN becomes null, numpy numbers plain numbers)."""
+    return json.loads(df.to_json(orient="records", date_format="iso"))
+
+
+def _load_plan(store, ref: str):
+    """(plan_id, Plan) for a plan id or "latest", from the plans the allocation stage stored."""
+    from coral_dagster.allocation.storage import load_plan
+
+    plan = load_plan(store, ref)
+    if ref != "latest":
+        return ref, plan
+    # The same order load_plan uses for "latest"; the id names the clusters this plan launches.
+    newest = store.query("SELECT plan_id FROM plans ORDER BY created_at DESC, plan_id DESC LIMIT 1")
+    return str(newest.plan_id.iloc[0]), plan
+
+
+def _actions(diff) -> pd.DataFrame:
+    """One row per cluster the run would touch."""
+    rows = [{"action": "launch", "cluster": n.cluster_name, "role": n.role, "instance": n.instance_id,
+             "region": n.region, "node": n.node or None, "instance_type": n.instance_type or None,
+             "spot": n.use_spot if n.role == "engine" else None,
+             "usd_per_hour": n.usd_per_hour if n.role == "engine" else None} for n in diff.nodes_to_launch()]
+    rows += [{"action": "drain+down", "cluster": c, "role": None, "instance": r.instance_id, "region": None,
+              "node": None, "instance_type": None, "spot": None, "usd_per_hour": None}
+             for r in diff.remove for c in r.clusters]
+    return pd.DataFrame(rows, columns=["action", "cluster", "role", "instance", "region", "node", "instance_type",
+                                       "spot", "usd_per_hour"])
+
+
+@click.command("launch")
+@click.option("--plan", "plan_ref", default="latest", show_default=True,
+              help="Plan id (see `coral plan --json`), or 'latest'.")
+@click.option("--dry-run", is_flag=True,
+              help="Write the task YAMLs and print the sky launch / sky down commands; launch nothing.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for the dry run's task YAMLs (default: out/deploy/<plan tag>).")
+@click.option("--drain-timeout", "drain_timeout_s", type=float, default=600.0, show_default=True,
+              help="Seconds a removed instance may take to finish its in-flight requests before `sky down`.")
+@click.option("--retry-until-up", is_flag=True,
+              help="Let SkyPilot keep retrying a node when its region has no capacity (default: fail and roll back).")
+@json_option
+@db_option
+def launch(plan_ref: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float, retry_until_up: bool,
+           as_json: bool, db_path: str | None) -> None:
+    """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
+
+    Each engine node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned), wired to its
+    instance's scheduler and next-stage peers through envs. State lives in DuckDB (`coral status`); a run that
+    stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
+    are read from this shell at launch and handed to SkyPilot as secrets, never written anywhere. A real run
+    needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
+    """
+    from coral_dagster import paths
+    from coral_dagster.catalog.prices import load_node_prices
+    from coral_dagster.deploy import state
+    from coral_dagster.deploy.names import plan_tag
+    from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+    from coral_dagster.store import Store
+
+    store = Store(db_path)
+    plan_id, plan = _load_plan(store, plan_ref)
+    prices = load_node_prices()
+    if dry_run:
+        diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
+        out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
+        dry = write_dry_run(diff, out)
+        actions = _actions(diff)
+        if as_json:
+            emit_json({"plan_id": plan_id, "dry_run": True, "out": str(out),
+                       "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
+                       "keep": list(diff.keep), "actions": _records(actions)})
+            return
+        if not diff.changes:
+            click.echo(f"plan {plan_id}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
+            return
+        gpu_usd = sum(n.usd_per_hour for n in diff.nodes_to_launch())
+        emit(actions, False, title=f"plan {plan_id}: launch {gpu_usd:.2f} $/h of GPU nodes, "
+                                   f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
+        click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")
+        for line in dry.commands:
+            click.echo(line)
+        return
+
+    from coral_dagster.deploy.drain import CoordinatorDrainer
+    from coral_dagster.deploy.sky_adapter import SkyLauncher
+
+    report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
+                       prices, drain_timeout_s)
+    if as_json:
+        emit_json(report.as_dict())
+        return
+    click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
+               f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
+    for message in report.messages:
+        click.echo(f"  {message}")
+
+
+@click.command("status")
+@click.option("--all", "show_all", is_flag=True, help="Also list clusters that are down or failed (history).")
+@json_option
+@db_option
+def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
+    """Show the deployment recorded in DuckDB: live clusters, their status, address and price."""
+    from coral_dagster.deploy import state
+    from coral_dagster.store import Store
+
+    store = Store(db_path)
+    nodes, runs = state.read_nodes(store), state.read_runs(store)
+    summary = state.summarize(nodes, runs)
+    shown = nodes if show_all else nodes[~nodes.status.isin(state.SETTLED)]
+    columns = ["cluster_name", "role", "status", "instance_id", "model", "phase", "region", "stage", "node",
+               "instance_type", "use_spot", "usd_per_hour", "address", "plan_id"]
+    shown = shown[columns].reset_index(drop=True)
+    if as_json:
+        emit_json({**summary, "nodes": _records(shown)})
+        return
+    if nodes.empty:
+        click.echo("nothing deployed yet (run `coral launch --dry-run` to see what a plan would start)")
+        return
+    emit(shown, False, title=f"deployment: {summary['instances']} instance(s), "
+                             f"{summary['gpu_usd_per_hour']:.2f} $/h of GPU nodes up")
+    if summary["last_run"]:
+        last = summary["last_run"]
+        click.echo(f"last run {last['run_id']} for plan {last['plan_id']}: {last['status']}")

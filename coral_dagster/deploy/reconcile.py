@@ -1,0 +1,384 @@
+"""Bring the running deployment to a plan: launch what was added, drain then down what was removed, keep the rest.
+
+The deployment recorded in DuckDB is the source of truth. Every decision is written before it is carried out
+(new nodes as `pending`, removed ones as `draining`), and every outcome right after, so a run that dies part-way
+leaves rows the next run resumes from. A node that fails to launch rolls its whole instance back (`down`) and
+marks it `failed`; the next run plans a fresh replica in its place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Mapping
+
+import pandas as pd
+
+from coral_dagster.allocation.types import Plan
+from coral_dagster.deploy import state, tasks
+from coral_dagster.deploy.launcher import Drainer, Launcher, LaunchRequest
+from coral_dagster.deploy.names import plan_tag
+from coral_dagster.deploy.spec import (
+    COORDINATOR_SLOT, InstanceShape, InstanceSpec, NodeSpec, build_coordinator, build_instance, coordinator_region,
+    instance_shapes,
+)
+from coral_dagster.errors import CoralError
+from coral_dagster.store import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Removal:
+    """A recorded instance (or the coordinator) to drain and take down."""
+
+    instance_id: str
+    clusters: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Diff:
+    """What one reconcile does: nodes to launch (new or resumed), instances to remove, instances left alone.
+
+    `addresses` are the recorded `tcp://ip:port` of clusters already up; `coordinator` is the live or new
+    coordinator (None when the plan is empty).
+    """
+
+    plan_id: str
+    coordinator: NodeSpec | None
+    launch: tuple[InstanceSpec, ...]
+    remove: tuple[Removal, ...]
+    keep: tuple[str, ...]
+    addresses: Mapping[str, str] = field(default_factory=dict)
+
+    def nodes_to_launch(self) -> list[NodeSpec]:
+        """Nodes not yet up, in launch order: the coordinator, then each instance in its launch order."""
+        nodes = [self.coordinator] if self.coordinator is not None else []
+        nodes += [n for inst in self.launch for n in inst.nodes]
+        return [n for n in nodes if n.cluster_name not in self.addresses]
+
+    @property
+    def coordinator_cluster(self) -> str | None:
+        """The coordinator instances talk to: the planned one, else a live one being removed last."""
+        if self.coordinator is not None:
+            return self.coordinator.cluster_name
+        return next((r.clusters[0] for r in self.remove if r.instance_id == COORDINATOR_SLOT), None)
+
+    @property
+    def changes(self) -> bool:
+        return bool(self.nodes_to_launch() or self.remove)
+
+
+def _fingerprint(slot: str) -> str:
+    return slot.split("#", 1)[0]
+
+
+@dataclass(frozen=True)
+class _Recorded:
+    """One recorded instance: its rows and whether it is active, being removed, or history."""
+
+    instance_id: str
+    rows: pd.DataFrame
+
+    @property
+    def fingerprint(self) -> str:
+        return _fingerprint(str(self.rows.slot.iloc[0]))
+
+    @property
+    def replica(self) -> int:
+        return int(self.rows.replica.iloc[0])
+
+    @property
+    def state(self) -> str:
+        """active: every node pending or launched; settled: every node down or failed; else being removed."""
+        status = self.rows.status
+        if status.isin(state.ACTIVE).all():
+            return "active"
+        if status.isin(state.SETTLED).all():
+            return "settled"
+        return "removing"
+
+    @property
+    def open_clusters(self) -> tuple[str, ...]:
+        return tuple(sorted(self.rows.cluster_name[~self.rows.status.isin(state.SETTLED)]))
+
+
+def _recorded_instances(records: pd.DataFrame) -> list[_Recorded]:
+    rows = records[records.role != "coordinator"]
+    return [_Recorded(str(iid), g) for iid, g in rows.groupby("instance_id", sort=True)]
+
+
+def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFrame) -> Diff:
+    """Compare the plan with the recorded deployment; pure (reads nothing, writes nothing).
+
+    Instances match across plans by fingerprint (template, layer split, node order, region, spot): of the
+    recorded active replicas of a fingerprint the lowest-numbered `count` stay, the rest go; missing replicas
+    are launched under the smallest free replica numbers with names from this plan.
+    """
+    shapes = instance_shapes(plan, prices)
+    recorded = _recorded_instances(records)
+    ours = records.plan_id == plan_id
+    next_index = int(records.loc[ours, "instance_index"].max()) + 1 if ours.any() else 0
+
+    launch: list[InstanceSpec] = []
+    keep: list[str] = []
+    removals: list[Removal] = [Removal(r.instance_id, r.open_clusters, "removal left unfinished by an earlier run")
+                               for r in recorded if r.state == "removing"]
+    wanted = {s.fingerprint for s in shapes}
+    for r in recorded:
+        if r.state == "active" and r.fingerprint not in wanted:
+            removals.append(Removal(r.instance_id, r.open_clusters, "not in the plan"))
+    for shape in shapes:
+        fp = shape.fingerprint
+        staying: list[tuple[_Recorded, InstanceSpec | None]] = []
+        for r in sorted((r for r in recorded if r.state == "active" and r.fingerprint == fp),
+                        key=lambda r: r.replica):
+            if (r.rows.status == "launched").all():
+                staying.append((r, None))
+                continue
+            spec = build_instance(shape, r.replica, str(r.rows.plan_id.iloc[0]), int(r.rows.instance_index.iloc[0]))
+            if sorted(n.cluster_name for n in spec.nodes) == sorted(r.rows.cluster_name):
+                staying.append((r, spec))
+            else:
+                removals.append(Removal(r.instance_id, r.open_clusters, "recorded nodes differ from the plan's"))
+        for r, spec in staying[:shape.count]:
+            if spec is None:
+                keep.append(r.instance_id)
+            else:
+                launch.append(spec)
+        for r, _ in staying[shape.count:]:
+            removals.append(Removal(r.instance_id, r.open_clusters, "more replicas than the plan wants"))
+        used = {r.replica for r in recorded if r.fingerprint == fp and r.state != "settled"}
+        replica = 0
+        for _ in range(shape.count - min(shape.count, len(staying))):
+            while replica in used:
+                replica += 1
+            used.add(replica)
+            launch.append(build_instance(shape, replica, plan_id, next_index))
+            next_index += 1
+
+    coordinator = _coordinator_diff(shapes, plan_id, records, removals)
+    up = records[(records.status == "launched") & records.address.notna()]
+    removals.sort(key=lambda r: (r.instance_id == COORDINATOR_SLOT, r.instance_id))
+    launch.sort(key=lambda i: (i.plan_id != plan_id, i.plan_id, i.index))
+    return Diff(plan_id, coordinator, tuple(launch), tuple(removals), tuple(sorted(keep)),
+                dict(zip(up.cluster_name, up.address)))
+
+
+def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: pd.DataFrame,
+                      removals: list[Removal]) -> NodeSpec | None:
+    """Keep a live coordinator while any instance is planned, start one when none is live, remove it otherwise."""
+    rows = records[records.role == "coordinator"]
+    for r in rows[rows.status == "draining"].itertuples():
+        removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "removal left unfinished by an earlier run"))
+    live = rows[rows.status.isin(state.ACTIVE)]
+    if not shapes:
+        for r in live.itertuples():
+            removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "the plan has no instances"))
+        return None
+    models = tuple(sorted({s.template.model for s in shapes}))
+    if len(live):
+        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), models)
+    return build_coordinator(plan_id, coordinator_region(shapes), models)
+
+
+@dataclass(frozen=True)
+class ReconcileReport:
+    """What a reconcile run did, by cluster and instance."""
+
+    run_id: str
+    plan_id: str
+    status: str
+    launched: tuple[str, ...]
+    failed: tuple[str, ...]
+    drained: tuple[str, ...]
+    downed: tuple[str, ...]
+    kept: tuple[str, ...]
+    messages: tuple[str, ...]
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+
+class _Run:
+    """One reconcile run's bookkeeping: every state change is its own committed transaction."""
+
+    def __init__(self, store: Store, run_id: str, addresses: Mapping[str, str]) -> None:
+        self.store, self.run_id = store, run_id
+        self.addresses = dict(addresses)
+        self.launched: list[str] = []
+        self.failed: list[str] = []
+        self.drained: list[str] = []
+        self.downed: list[str] = []
+        self.messages: list[str] = []
+
+    def set(self, cluster: str, status: state.NodeStatus, action: str, message: str = "",
+            address: str | None = None) -> None:
+        with self.store.transaction() as con:
+            state.set_status(con, cluster, status, self.run_id, action, message, address)
+
+    def note(self, message: str) -> None:
+        log.warning("%s", message)
+        self.messages.append(message)
+
+    def finish(self, status: str, kept: int) -> None:
+        with self.store.transaction() as con:
+            state.finish_run(con, self.run_id, status, launched=len(self.launched), failed=len(self.failed),
+                             drained=len(self.drained), downed=len(self.downed), kept=kept,
+                             message="; ".join(self.messages))
+
+
+def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, drainer: Drainer,
+              prices: pd.DataFrame | None = None, drain_timeout_s: float = 600.0) -> ReconcileReport:
+    """Make the running deployment match `plan`; running it again with the same plan changes nothing.
+
+    Order: the coordinator (when none is live), then every new or unfinished instance, then removals, so
+    capacity rises before it falls. Raises `CoralError` only when the coordinator cannot start.
+    """
+    if prices is None:
+        from coral_dagster.catalog.prices import load_node_prices
+        prices = load_node_prices()
+    records = state.read_nodes(store)
+    diff = plan_diff(plan, plan_id, records, prices)
+    run = _Run(store, f"{state.now_utc():%Y%m%dT%H%M%S%f}-{plan_tag(plan_id)}", diff.addresses)
+    settled = set(records.cluster_name[records.status.isin(state.SETTLED)])
+    known = set(records.cluster_name)
+    with store.transaction() as con:
+        state.ensure_tables(con)
+        state.start_run(con, run.run_id, plan_id)
+        state.record_nodes(con, [n for n in diff.nodes_to_launch()
+                                 if n.cluster_name not in known or n.cluster_name in settled], "pending", run.run_id)
+        for removal in diff.remove:
+            for cluster in removal.clusters:
+                state.set_status(con, cluster, "draining", run.run_id, "plan", removal.reason)
+
+    coordinator = diff.coordinator_cluster
+    if diff.coordinator is not None and coordinator not in run.addresses:
+        _launch_coordinator(diff.coordinator, launcher, run, len(diff.keep))
+    for inst in diff.launch:
+        _launch_instance(inst, coordinator, launcher, run)
+    for removal in diff.remove:
+        _remove(removal, run.addresses.get(coordinator or ""), launcher, drainer, drain_timeout_s, run)
+    status = "failed" if run.failed else "done"
+    run.finish(status, len(diff.keep))
+    return ReconcileReport(run.run_id, plan_id, status, tuple(run.launched), tuple(run.failed), tuple(run.drained),
+                           tuple(run.downed), diff.keep, tuple(run.messages))
+
+
+def _launch_node(node: NodeSpec, coordinator: str | None, launcher: Launcher, run: _Run) -> None:
+    """Launch one node wired to the addresses known so far; record it launched with its own address."""
+    wired = tasks.wired_envs(node, coordinator, run.addresses)
+    request = LaunchRequest(node.cluster_name, tasks.task_config(node, wired), tasks.secret_names(node.role))
+    result = launcher.launch(request)
+    address = tasks.node_address(result.head_ip)
+    run.addresses[node.cluster_name] = address
+    run.set(node.cluster_name, "launched", "launch", address=address)
+    run.launched.append(node.cluster_name)
+
+
+def _launch_coordinator(node: NodeSpec, launcher: Launcher, run: _Run, kept: int) -> None:
+    """Start the coordinator; without it nothing can be wired, so a failure ends the run (instances stay pending)."""
+    try:
+        _launch_node(node, None, launcher, run)
+    except Exception as exc:
+        run.set(node.cluster_name, "failed", "launch-failed", str(exc))
+        run.failed.append(node.cluster_name)
+        run.note(f"the coordinator {node.cluster_name} did not start: {exc}")
+        try:
+            launcher.down(node.cluster_name)
+        except Exception as down_exc:
+            # Same name next run: relaunching it reuses whatever half-started cluster is left.
+            run.note(f"could not take the half-started {node.cluster_name} down ({down_exc})")
+        run.finish("failed", kept)
+        raise CoralError(f"the coordinator {node.cluster_name} did not start: {exc}",
+                         "fix the cause and run `coral launch` again; planned instances stay pending and resume.")
+
+
+def _launch_instance(inst: InstanceSpec, coordinator: str | None, launcher: Launcher, run: _Run) -> None:
+    for node in inst.nodes:
+        if node.cluster_name in run.addresses:
+            continue
+        try:
+            _launch_node(node, coordinator, launcher, run)
+        except Exception as exc:
+            run.set(node.cluster_name, "failed", "launch-failed", str(exc))
+            _roll_back(inst, node.cluster_name, launcher, run, str(exc))
+            return
+
+
+def _roll_back(inst: InstanceSpec, failed_node: str, launcher: Launcher, run: _Run, cause: str) -> None:
+    """Down every node of the instance that may be up (the failed one too: it may be half up); mark all failed."""
+    run.failed.append(inst.instance_id)
+    run.note(f"instance {inst.instance_id} ({inst.shape.template.template_id} in {inst.shape.region}) rolled "
+             f"back: {failed_node} failed to launch: {cause}")
+    for node in inst.nodes:
+        name = node.cluster_name
+        if name != failed_node and name not in run.addresses:
+            run.set(name, "failed", "rollback", f"not launched: {failed_node} failed")
+            continue
+        try:
+            launcher.down(name)
+        except Exception as exc:
+            # Up as far as we know: leave it draining so the next run takes it down.
+            run.set(name, "draining", "rollback-down-failed", str(exc))
+            run.note(f"rollback could not take {name} down ({exc}); the next run retries")
+            continue
+        run.addresses.pop(name, None)
+        run.set(name, "failed", "rollback", f"rolled back: {failed_node} failed to launch")
+        run.downed.append(name)
+
+
+def _remove(removal: Removal, coordinator: str | None, launcher: Launcher, drainer: Drainer, timeout_s: float,
+            run: _Run) -> None:
+    """Drain (stop new requests, finish in-flight) through the coordinator, then down every cluster."""
+    if removal.instance_id != COORDINATOR_SLOT and coordinator:
+        try:
+            finished = drainer.drain(coordinator, removal.instance_id, timeout_s)
+        except Exception as exc:
+            finished = False
+            run.note(f"drain of {removal.instance_id} failed ({exc}); taking it down anyway")
+        if not finished:
+            run.note(f"instance {removal.instance_id} still had requests in flight after {timeout_s:g} s")
+        run.drained.append(removal.instance_id)
+    for name in removal.clusters:
+        try:
+            launcher.down(name)
+        except Exception as exc:
+            run.set(name, "draining", "down-failed", str(exc))
+            run.note(f"could not take {name} down ({exc}); the next run retries")
+            continue
+        run.addresses.pop(name, None)
+        run.set(name, "down", "down", removal.reason)
+        run.downed.append(name)
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """The YAMLs a dry run wrote and the commands a real run would perform, in order."""
+
+    yaml_paths: tuple[Path, ...]
+    commands: tuple[str, ...]
+
+
+def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
+    """Write the task YAML of every node to launch and list the `sky launch` / drain / `sky down` steps.
+
+    Addresses already recorded go into the YAML; the others become `--env` with `$(sky status --ip …)`.
+    """
+    written: list[Path] = []
+    commands: list[str] = []
+    coordinator = diff.coordinator_cluster
+    for node in diff.nodes_to_launch():
+        wired = tasks.wired_envs(node, coordinator, diff.addresses, shell=True)
+        later = {k: v for k, v in wired.items() if "$(" in v}
+        path = tasks.write_task(tasks.task_config(node, {k: v for k, v in wired.items() if k not in later}),
+                                out_dir)
+        written.append(path)
+        commands.append(tasks.launch_command(node, path, later))
+    for removal in diff.remove:
+        if removal.instance_id != COORDINATOR_SLOT:
+            commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")
+        commands += [tasks.down_command(c) for c in removal.clusters]
+    return DryRun(tuple(written), tuple(commands))

@@ -1,0 +1,226 @@
+"""A plan as nodes to run: one cluster per engine node, a scheduler per instance and one coordinator."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import pandas as pd
+
+from coral_dagster.allocation.types import Plan, PlannedInstance
+from coral_dagster.catalog.nodes import NodeConfig
+from coral_dagster.deploy import names
+from coral_dagster.errors import CoralError
+from coral_dagster.templates.types import Template
+
+Role = Literal["coordinator", "scheduler", "engine"]
+COORDINATOR_SLOT = "coordinator"
+# One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
+CORAL_PORT = 5555
+
+
+@dataclass(frozen=True)
+class NodePrice:
+    """What one node of a configuration costs in a region, and the instance type that carries it."""
+
+    region: str
+    node: NodeConfig
+    instance_type: str
+    usd_per_hour: float
+    spot_usd_per_hour: float | None
+
+
+@dataclass(frozen=True)
+class InstanceShape:
+    """A planned template in one region, priced per node; `fingerprint` names it across plans."""
+
+    template: Template
+    region: str
+    use_spot: bool
+    count: int
+    prices: tuple[NodePrice, ...]
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of everything a running instance embodies: template, layer split, node order, region, spot."""
+        stages = [[s.start, s.end, [str(n) for n in s.nodes], [round(x, 9) for x in s.shares]]
+                  for s in self.template.stages]
+        doc = json.dumps([self.template.template_id, self.region, stages, self.use_spot], sort_keys=True)
+        return hashlib.sha1(doc.encode()).hexdigest()[:12]
+
+    def price_of(self, node: NodeConfig) -> NodePrice:
+        for p in self.prices:
+            if p.node == node:
+                return p
+        raise CoralError(f"no price for {node} in {self.region}.", "rebuild the deployment from the plan.")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One SkyPilot cluster: its role, place, resources and the envs that wire it to its peers."""
+
+    cluster_name: str
+    role: Role
+    slot: str
+    instance_id: str
+    plan_id: str
+    region: str
+    model: str = ""
+    phase: str = ""
+    template_id: str = ""
+    replica: int = -1
+    instance_index: int = -1
+    stage: int = -1
+    node_index: int = -1
+    node: str = ""
+    instance_type: str = ""
+    use_spot: bool = False
+    usd_per_hour: float = 0.0
+    envs: tuple[tuple[str, str], ...] = ()
+    # Env name -> clusters whose addresses fill it at launch (launched before this node).
+    wires: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+    @property
+    def cloud(self) -> str:
+        return self.region.split(":", 1)[0]
+
+    @property
+    def cloud_region(self) -> str:
+        return self.region.split(":", 1)[1]
+
+    def env(self) -> dict[str, str]:
+        return dict(self.envs)
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """One serving instance in launch order: its scheduler first (engines are given its address), then its
+    engines stage by stage. Engines register with the scheduler, which routes activations stage to stage."""
+
+    instance_id: str
+    slot: str
+    shape: InstanceShape
+    replica: int
+    plan_id: str
+    index: int
+    nodes: tuple[NodeSpec, ...]
+
+    @property
+    def engines(self) -> tuple[NodeSpec, ...]:
+        return tuple(n for n in self.nodes if n.role == "engine")
+
+    @property
+    def scheduler(self) -> NodeSpec:
+        return next(n for n in self.nodes if n.role == "scheduler")
+
+
+def _rate(price: NodePrice, use_spot: bool) -> float:
+    if not use_spot:
+        return price.usd_per_hour
+    if price.spot_usd_per_hour is None:
+        raise CoralError(f"{price.node} in {price.region} has no spot market in the price snapshot.",
+                         "plan it on demand, or pick a region that sells it on spot.")
+    return price.spot_usd_per_hour
+
+
+def _price_index(prices: pd.DataFrame) -> dict[tuple[str, NodeConfig], NodePrice]:
+    out = {}
+    for r in prices.itertuples(index=False):
+        spot = None if r.spot_usd_per_hour is None or math.isnan(r.spot_usd_per_hour) else float(r.spot_usd_per_hour)
+        node = NodeConfig.parse(r.node)
+        out[(r.region, node)] = NodePrice(r.region, node, r.instance_type, float(r.usd_per_hour), spot)
+    return out
+
+
+def instance_shapes(plan: Plan, prices: pd.DataFrame) -> tuple[InstanceShape, ...]:
+    """Each planned (template, region) with its node prices, in a stable order; instances of 0 are dropped."""
+    index = _price_index(prices)
+    shapes = []
+    for inst in plan.instances:
+        if inst.count <= 0:
+            continue
+        if ":" not in inst.region:
+            raise CoralError(f"plan region {inst.region!r} is not cloud:region.",
+                             "plans name regions like aws:us-east-2 or gcp:us-central1.")
+        node_prices = []
+        for node, _ in inst.template.nodes.counts:
+            p = index.get((inst.region, node))
+            if p is None:
+                raise CoralError(f"{node} is not sold in {inst.region} in the bundled price snapshot.",
+                                 "re-plan with `coral plan` on the current prices (`coral catalog prices`).")
+            node_prices.append(p)
+        use_spot = _use_spot(inst)
+        for p in node_prices:
+            _rate(p, use_spot)
+        shapes.append(InstanceShape(inst.template, inst.region, use_spot, inst.count, tuple(node_prices)))
+    shapes.sort(key=lambda s: (s.template.model, s.template.phase, s.region, s.template.template_id, s.fingerprint))
+    fps = [s.fingerprint for s in shapes]
+    if len(set(fps)) != len(fps):
+        raise CoralError("the plan lists one template in one region twice.",
+                         "merge the duplicate rows of the plan into one count.")
+    return tuple(shapes)
+
+
+def _use_spot(inst: PlannedInstance) -> bool:
+    """Plans are on demand unless the planner marked the instance `use_spot`."""
+    return bool(getattr(inst, "use_spot", False))
+
+
+def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int) -> InstanceSpec:
+    """Name every node of one instance, price it, and give each its envs (engines: layers, stage, share, split)."""
+    t = shape.template
+    instance_id = f"{names.plan_tag(plan_id)}-i{index}"
+    slot = f"{shape.fingerprint}#{replica}"
+    common = dict(slot=slot, instance_id=instance_id, plan_id=plan_id, region=shape.region, model=t.model,
+                  phase=t.phase, template_id=t.template_id, replica=replica, instance_index=index,
+                  use_spot=shape.use_spot)
+    stage_names = [[names.engine_name(plan_id, t.model, t.phase, index, s, k) for k in range(len(stage.nodes))]
+                   for s, stage in enumerate(t.stages)]
+    sched = names.scheduler_name(plan_id, t.model, t.phase, index)
+    engines = []
+    for s, stage in enumerate(t.stages):
+        for k, node in enumerate(stage.nodes):
+            price = shape.price_of(node)
+            envs = {
+                "CORAL_NODE": stage_names[s][k],
+                "CORAL_MODEL": t.model,
+                "CORAL_LAYERS": f"{stage.start}:{stage.end}",
+                "CORAL_STAGE_RANK": str(s),
+                "CORAL_SHARE": f"{stage.shares[k]:.6g}",
+                "CORAL_SPLIT": t.pp_partition,
+                "CORAL_TP": str(node.count),
+                "CORAL_ENGINE": "vllm",
+                "VLLM_PP_LAYER_PARTITION": t.pp_partition,
+            }
+            engines.append(NodeSpec(cluster_name=stage_names[s][k], role="engine", stage=s, node_index=k,
+                                    node=str(node), instance_type=price.instance_type,
+                                    usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
+                                    wires=(("CORAL_SCHEDULER", (sched,)),), **common))
+    sched_envs = {
+        "CORAL_INSTANCE": instance_id,
+        "CORAL_MODEL": t.model,
+        "CORAL_PHASE": t.phase,
+        "CORAL_SPLIT": t.pp_partition,
+        "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
+    }
+    scheduler = NodeSpec(cluster_name=sched, role="scheduler", envs=tuple(sorted(sched_envs.items())), **common)
+    return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, (scheduler, *engines))
+
+
+def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
+    """The region holding most planned nodes (ties: first by name), so most traffic stays inside it."""
+    nodes: dict[str, int] = {}
+    for s in shapes:
+        nodes[s.region] = nodes.get(s.region, 0) + s.count * s.template.nodes.size
+    return min(nodes, key=lambda r: (-nodes[r], r))
+
+
+def build_coordinator(plan_id: str, region: str, models: tuple[str, ...] = ()) -> NodeSpec:
+    """The deployment's one coordinator (request router and drain point); it lists `models` before they register."""
+    name = names.coordinator_name(plan_id)
+    envs = {"CORAL_MODEL": " ".join(models)}
+    return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
+                    plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))

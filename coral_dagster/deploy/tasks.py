@@ -1,0 +1,132 @@
+"""SkyPilot task configs from the `sky_tasks/` YAMLs, filled per node, and the `sky` commands that run them."""
+
+from __future__ import annotations
+
+import copy
+import shlex
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+import yaml
+
+from coral_dagster import paths
+from coral_dagster.deploy.spec import CORAL_PORT, NodeSpec
+from coral_dagster.errors import CatalogError, CoralError
+
+SKY_TASKS_DIR = paths.REPO_ROOT / "sky_tasks"
+
+
+@lru_cache(maxsize=None)
+def _read_role_yaml(role: str) -> str:
+    path = SKY_TASKS_DIR / f"{role}.yaml"
+    if not path.is_file():
+        raise CatalogError(path, "-", "-", "task YAML not found", "restore it from the repository")
+    return path.read_text()
+
+
+def role_template(role: str) -> dict[str, Any]:
+    """The checked-in task of a role (`engine`, `scheduler`, `coordinator`), as a fresh dict."""
+    doc = yaml.safe_load(_read_role_yaml(role))
+    path = SKY_TASKS_DIR / f"{role}.yaml"
+    for key in ("envs", "secrets", "resources", "run"):
+        if not doc.get(key):
+            raise CatalogError(path, "-", key, "missing", f"give the task a {key} section")
+    if any(v is not None for v in doc["secrets"].values()):
+        raise CatalogError(path, "-", "secrets", "a secret has a value written in the file",
+                           "leave every secret null; SkyPilot takes the value at launch")
+    return doc
+
+
+def secret_names(role: str) -> tuple[str, ...]:
+    """The secrets a role's task declares (values come from the launching machine's environment)."""
+    return tuple(sorted(role_template(role)["secrets"]))
+
+
+def wiring(node: NodeSpec, coordinator_cluster: str | None) -> dict[str, tuple[str, ...]]:
+    """Env name -> clusters whose addresses fill it: the instance's scheduler for engines, and the coordinator
+    for every role whose task declares CORAL_COORDINATOR (schedulers)."""
+    wires = dict(node.wires)
+    if coordinator_cluster and "CORAL_COORDINATOR" in role_template(node.role)["envs"]:
+        wires["CORAL_COORDINATOR"] = (coordinator_cluster,)
+    return wires
+
+
+def wired_envs(node: NodeSpec, coordinator_cluster: str | None, addresses: Mapping[str, str], *,
+               shell: bool = False) -> dict[str, str]:
+    """The wiring envs as comma-separated `tcp://ip:port` lists.
+
+    A cluster without a known address is an error, or with `shell=True` (dry runs) a `$(sky status --ip …)`
+    substitution the shell resolves when the printed command runs.
+    """
+    out = {}
+    for env, clusters in sorted(wiring(node, coordinator_cluster).items()):
+        values = []
+        for c in clusters:
+            if c in addresses:
+                values.append(addresses[c])
+            elif shell:
+                values.append(f"tcp://$(sky status --ip {c}):{CORAL_PORT}")
+            else:
+                raise CoralError(f"{node.cluster_name} needs the address of {c}, which has none recorded.",
+                                 "run `coral launch` again: it launches nodes in the order that fills this.")
+        out[env] = ",".join(values)
+    return out
+
+
+def task_config(node: NodeSpec, wired: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The role's task with this node's name, resources and envs; secrets stay names without values.
+
+    `wired` holds the address envs (`wired_envs`); any the role declares but `wired` lacks stay "".
+    """
+    cfg = copy.deepcopy(role_template(node.role))
+    cfg["name"] = node.cluster_name
+    resources = dict(cfg["resources"])
+    resources.update(cloud=node.cloud, region=node.cloud_region, ports=CORAL_PORT)
+    if node.role == "engine":
+        resources.update(accelerators=node.node, instance_type=node.instance_type, use_spot=node.use_spot)
+    cfg["resources"] = resources
+    envs = {**cfg["envs"], **node.env(), **(wired or {})}
+    cfg["envs"] = {k: str(v) for k, v in envs.items()}
+    # An absolute workdir lets `sky launch` run the written YAML from any folder.
+    cfg["workdir"] = str(paths.REPO_ROOT)
+    return cfg
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes multi-line strings (setup, run) as literal blocks, as a person would."""
+
+
+_Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:str", s,
+                                                             style="|" if "\n" in s else None))
+
+
+def write_task(cfg: dict[str, Any], out_dir: Path) -> Path:
+    """Write one task YAML named after its cluster; returns its path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{cfg['name']}.yaml"
+    path.write_text(yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=False))
+    return path
+
+
+def node_address(ip: str) -> str:
+    """The `tcp://ip:port` every Coral process listens on."""
+    return f"tcp://{ip}:{CORAL_PORT}"
+
+
+def launch_command(node: NodeSpec, yaml_path: Path, envs: Mapping[str, str] | None = None) -> str:
+    """The `sky launch` line for one node; secrets go by name (`--secret NAME` reads $NAME from the shell).
+
+    `envs` are passed with `--env`, in double quotes so `$(sky status --ip …)` resolves when the line runs.
+    """
+    parts = ["sky", "launch", "-y", "-d", "-c", node.cluster_name]
+    for name in secret_names(node.role):
+        parts += ["--secret", name]
+    line = " ".join(shlex.quote(p) for p in parts)
+    for key, value in sorted((envs or {}).items()):
+        line += f' --env "{key}={value}"'
+    return f"{line} {shlex.quote(str(yaml_path))}"
+
+
+def down_command(cluster_name: str) -> str:
+    return f"sky down -y {shlex.quote(cluster_name)}"

@@ -1,0 +1,412 @@
+"""Reconcile against a recording launcher: launch order and wiring, idempotence, drains, rollback, resume, dry run."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from coral_dagster.allocation.types import Plan, PlannedInstance
+from coral_dagster.catalog.models import get_model
+from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.catalog.prices import load_node_prices
+from coral_dagster.cli import launch as launch_cli
+from coral_dagster.deploy import state
+from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult, RecordingDrainer, RecordingLauncher
+from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+from coral_dagster.deploy.tasks import role_template
+from coral_dagster.errors import CoralError
+from coral_dagster.store import Store
+from coral_dagster.templates.types import Stage, Template
+
+PRICES = load_node_prices()
+SECRETS = {"HF_TOKEN": "hf_SENTINEL_7f3a9", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_e41c",
+           "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_0b2d"}
+
+
+def template(model: str, phase: str, stages: list[tuple[int, list[str], list[float]]]) -> Template:
+    out, start = [], 0
+    for layers, nodes, shares in stages:
+        out.append(Stage(start, start + layers, tuple(NodeConfig.parse(n) for n in nodes), tuple(shares)))
+        start += layers
+    return Template(model, phase, 1000.0, NodeMultiset.of([n for s in out for n in s.nodes]), tuple(out), 900.0,
+                    "compute")
+
+
+QWEN = template("qwen3-32b", "prefill", [(40, ["L40S:1", "L40S:1"], [0.5, 0.5]), (24, ["A10G:4"], [1.0])])
+PHI = template("phi-4", "decode", [(40, ["L4:1"], [1.0])])
+GPT = template("gpt-oss-20b", "aggregated", [(10, ["L4:1"], [1.0]), (14, ["L4:2"], [1.0])])
+
+
+def plan(*items: tuple[Template, str, int]) -> Plan:
+    def price(t: Template, region: str) -> float:
+        rows = PRICES[PRICES.region == region].set_index("node").usd_per_hour
+        return sum(k * rows[str(n)] for n, k in t.nodes.counts)
+
+    instances = tuple(PlannedInstance(t, r, c, price(t, r)) for t, r, c in items)
+    cost = sum(i.count * i.usd_per_hour for i in instances)
+    return Plan("core", "coral", "optimal", cost, cost, 0.0, 0.1, instances, {}, {})
+
+
+P1 = plan((QWEN, "aws:us-east-2", 2), (PHI, "aws:us-east-2", 1))
+P2 = plan((QWEN, "aws:us-east-2", 1), (GPT, "gcp:us-central1", 1))
+
+
+def clusters_of(p: Plan) -> int:
+    """Clusters a plan needs, counted from the plan itself: its nodes, a scheduler per instance, one coordinator."""
+    return 1 + sum(i.count * (i.template.nodes.size + 1) for i in p.instances)
+
+
+def nodes(store: Store):
+    return state.read_nodes(store)
+
+
+def launched(calls):
+    return [c for a, c in calls if a == "launch"]
+
+
+def downed(calls):
+    return [c for a, c in calls if a == "down"]
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "deploy.duckdb")
+
+
+def test_first_run_launches_every_node_once_in_wiring_order(store):
+    launcher = RecordingLauncher()
+    report = reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    names = launched(launcher.calls)
+    assert len(names) == len(set(names)) == clusters_of(P1)
+    assert downed(launcher.calls) == [] and report.status == "done"
+    rows = nodes(store)
+    assert set(rows.cluster_name) == set(names) and set(rows.status) == {"launched"}
+    role = rows.set_index("cluster_name").role
+    assert role[names[0]] == "coordinator"
+    order = {n: i for i, n in enumerate(names)}
+    for _, inst in rows[rows.role != "coordinator"].groupby("instance_id"):
+        sched = inst[inst.role == "scheduler"].cluster_name.item()
+        assert all(order[sched] < order[e] for e in inst[inst.role == "engine"].cluster_name)
+    engines = rows[rows.role == "engine"]
+    sizes = {"qwen3-32b": QWEN.nodes.size, "phi-4": PHI.nodes.size}
+    assert engines.groupby("instance_id").size().to_dict() == \
+        {i: sizes[m] for i, m in engines.groupby("instance_id").model.first().items()}
+    assert Counter(rows[rows.role == "scheduler"].model) == {"qwen3-32b": 2, "phi-4": 1}
+
+
+def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    addr = {name: f"tcp://{ip}:5555" for name, ip in launcher.ips.items()}
+    rows = nodes(store)
+    coord = rows[rows.role == "coordinator"].cluster_name.item()
+    assert launcher.requests[coord].config["envs"]["CORAL_MODEL"].split() == ["phi-4", "qwen3-32b"]
+    for iid, inst in rows[rows.role != "coordinator"].groupby("instance_id"):
+        sched = launcher.requests[inst[inst.role == "scheduler"].cluster_name.item()].config
+        engines = [launcher.requests[c].config for c in inst[inst.role == "engine"].cluster_name]
+        model = get_model(sched["envs"]["CORAL_MODEL"])
+        assert sched["envs"]["CORAL_INSTANCE"] == iid
+        assert sched["envs"]["CORAL_COORDINATOR"] == addr[coord]
+        split = [int(x) for x in sched["envs"]["CORAL_SPLIT"].split(",")]
+        # Layer ranges tile [0, n_layers) in the split the scheduler and vLLM are given.
+        ranges = sorted({tuple(map(int, c["envs"]["CORAL_LAYERS"].split(":"))) for c in engines})
+        assert ranges[0][0] == 0 and ranges[-1][1] == model.n_layers == sum(split)
+        assert [b - a for a, b in ranges] == split
+        shares: dict[int, float] = {}
+        for c in engines:
+            e = c["envs"]
+            assert e["CORAL_SCHEDULER"] == addr[sched["name"]]
+            assert e["CORAL_MODEL"] == model.alias and e["CORAL_SPLIT"] == e["VLLM_PP_LAYER_PARTITION"]
+            assert e["CORAL_SPLIT"] == sched["envs"]["CORAL_SPLIT"] and e["CORAL_ENGINE"] == "vllm"
+            assert ranges[int(e["CORAL_STAGE_RANK"])] == tuple(map(int, e["CORAL_LAYERS"].split(":")))
+            shares[int(e["CORAL_STAGE_RANK"])] = shares.get(int(e["CORAL_STAGE_RANK"]), 0) + float(e["CORAL_SHARE"])
+            node = NodeConfig.parse(c["resources"]["accelerators"])
+            assert e["CORAL_TP"] == str(node.count)
+            assert (c["resources"]["cloud"], c["resources"]["region"]) == ("aws", "us-east-2")
+            assert c["resources"]["use_spot"] is False
+        assert shares == pytest.approx({s: 1.0 for s in range(len(split))})
+
+
+def test_same_plan_twice_changes_nothing(store):
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    before = (list(launcher.calls), nodes(store).drop(columns=["updated_at", "run_id"]))
+    report = reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    assert launcher.calls == before[0]
+    assert report.launched == () and report.downed == ()
+    assert len(report.kept) == sum(i.count for i in P1.instances)
+    after = nodes(store).drop(columns=["updated_at", "run_id"])
+    assert after.equals(before[1])
+    # A different plan id with the same content also leaves everything running.
+    report = reconcile(P1, "p1-again", store, launcher, RecordingDrainer(), PRICES)
+    assert launcher.calls == before[0] and len(report.kept) == 3
+
+
+def test_new_plan_launches_added_drains_then_downs_removed_and_keeps_the_rest(store):
+    calls: list[tuple[str, str]] = []
+    launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
+    reconcile(P1, "p1", store, launcher, drainer, PRICES)
+    first = nodes(store)
+    qwen = first[(first.model == "qwen3-32b")]
+    replica = {iid: int(g.replica.iloc[0]) for iid, g in qwen.groupby("instance_id")}
+    stays = min(replica, key=replica.get)
+    goes = {max(replica, key=replica.get), first[first.model == "phi-4"].instance_id.iloc[0]}
+    n_before = len(calls)
+
+    report = reconcile(P2, "p2", store, launcher, drainer, PRICES)
+    new_calls = calls[n_before:]
+    removed_clusters = set(first[first.instance_id.isin(goes)].cluster_name)
+    assert set(downed(new_calls)) == removed_clusters
+    assert {i for a, i in new_calls if a == "drain"} == goes
+    for iid in goes:
+        drain_at = new_calls.index(("drain", iid))
+        assert all(new_calls.index(("down", c)) > drain_at for c in first[first.instance_id == iid].cluster_name)
+    added = launched(new_calls)
+    assert len(added) == GPT.nodes.size + 1
+    assert all(launcher.requests[c].config["envs"].get("CORAL_MODEL") == "gpt-oss-20b" for c in added)
+    untouched = set(first[first.instance_id == stays].cluster_name)
+    assert untouched.isdisjoint(c for _, c in new_calls)
+    assert report.kept == (stays,)
+    rows = nodes(store).set_index("cluster_name")
+    assert set(rows.loc[list(removed_clusters), "status"]) == {"down"}
+    assert set(rows.loc[list(untouched), "status"]) == {"launched"}
+    # The new scheduler reports to the coordinator started by the first plan.
+    coord = first[first.role == "coordinator"].address.item()
+    assert {launcher.requests[c].config["envs"].get("CORAL_COORDINATOR") for c in added} == {coord, None}
+    assert set(drainer.coordinators) == {coord}
+
+
+def test_failed_node_rolls_back_its_instance_and_is_marked_failed(store):
+    diff = plan_diff(P1, "p1", nodes(store), PRICES)
+    victim = next(i for i in diff.launch if i.shape.template.model == "qwen3-32b")
+    stage0 = next(n.cluster_name for n in victim.engines if n.stage == 0)
+    launcher = RecordingLauncher(fail={stage0})
+    report = reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    assert report.status == "failed" and report.failed == (victim.instance_id,)
+    started = [c for c in launched(launcher.calls) if c in {n.cluster_name for n in victim.nodes}]
+    assert started[-1] == stage0
+    assert set(downed(launcher.calls)) == set(started)
+    rows = nodes(store)
+    assert set(rows[rows.instance_id == victim.instance_id].status) == {"failed"}
+    assert set(rows[rows.instance_id != victim.instance_id].status) == {"launched"}
+    events = state.read_events(store)
+    failed_event = events[(events.cluster_name == stage0) & (events.action == "launch-failed")]
+    assert len(failed_event) == 1 and "simulated" in failed_event.message.item()
+    runs = state.read_runs(store)
+    assert runs.status.tolist() == ["failed"] and runs.failed.tolist() == [1]
+
+    retry = RecordingLauncher()
+    report = reconcile(P1, "p1", store, retry, RecordingDrainer(), PRICES)
+    fresh = launched(retry.calls)
+    assert len(fresh) == QWEN.nodes.size + 1 and report.status == "done"
+    assert set(fresh).isdisjoint(n.cluster_name for n in victim.nodes)
+    live = nodes(store)
+    live = live[live.status == "launched"]
+    assert live[live.role == "scheduler"].groupby("model").size().to_dict() == {"qwen3-32b": 2, "phi-4": 1}
+
+
+class Crash(BaseException):
+    """The process dying (not a launch failure): nothing in reconcile may catch it."""
+
+
+class CrashingLauncher(RecordingLauncher):
+    def __init__(self, after: int) -> None:
+        super().__init__()
+        self.after = after
+
+    def launch(self, request: LaunchRequest) -> LaunchResult:
+        if len(self.ips) == self.after:
+            self.calls.append(("launch", request.cluster_name))
+            raise Crash()
+        return super().launch(request)
+
+
+def test_run_that_dies_part_way_is_resumed_by_the_next(tmp_path):
+    reference = RecordingLauncher()
+    reconcile(P1, "p1", Store(tmp_path / "ref.duckdb"), reference, RecordingDrainer(), PRICES)
+
+    store = Store(tmp_path / "crash.duckdb")
+    crashing = CrashingLauncher(after=4)
+    with pytest.raises(Crash):
+        reconcile(P1, "p1", store, crashing, RecordingDrainer(), PRICES)
+    rows = nodes(store)
+    assert Counter(rows.status) == {"launched": 4, "pending": clusters_of(P1) - 4}
+    assert state.read_runs(store).status.tolist() == ["running"]
+
+    resumed = RecordingLauncher()
+    report = reconcile(P1, "p1", store, resumed, RecordingDrainer(), PRICES)
+    again = launched(resumed.calls)
+    assert set(again).isdisjoint(crashing.ips)
+    assert sorted(again + list(crashing.ips)) == sorted(reference.ips)
+    assert downed(resumed.calls) == [] and report.status == "done"
+    assert set(nodes(store).status) == {"launched"}
+    assert state.read_runs(store).status.tolist() == ["interrupted", "done"]
+
+
+def test_coordinator_that_fails_stops_the_run_and_the_next_run_starts_everything(store):
+    diff = plan_diff(P1, "p1", nodes(store), PRICES)
+    coord = diff.coordinator.cluster_name
+    failing = RecordingLauncher(fail={coord})
+    with pytest.raises(CoralError, match="did not start"):
+        reconcile(P1, "p1", store, failing, RecordingDrainer(), PRICES)
+    assert failing.calls == [("launch", coord), ("down", coord)]
+    rows = nodes(store).set_index("cluster_name")
+    assert rows.status[coord] == "failed"
+    assert set(rows.drop(index=coord).status) == {"pending"}
+    assert state.read_runs(store).status.tolist() == ["failed"]
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    assert sorted(launched(launcher.calls)) == sorted(rows.index)
+    assert launched(launcher.calls)[0] == coord and set(nodes(store).status) == {"launched"}
+
+
+def test_failed_down_is_retried_by_the_next_run(store):
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    phi = nodes(store)
+    stuck = phi[(phi.model == "phi-4") & (phi.role == "scheduler")].cluster_name.item()
+    launcher.fail_down = {stuck}
+    p = plan((QWEN, "aws:us-east-2", 2))
+    report = reconcile(p, "p2", store, launcher, RecordingDrainer(), PRICES)
+    assert any(stuck in m for m in report.messages)
+    assert nodes(store).set_index("cluster_name").status[stuck] == "draining"
+    launcher.fail_down = set()
+    n = len(launcher.calls)
+    reconcile(p, "p2", store, launcher, RecordingDrainer(), PRICES)
+    assert launcher.calls[n:] == [("down", stuck)]
+    assert nodes(store).set_index("cluster_name").status[stuck] == "down"
+
+
+def test_empty_plan_drains_everything_and_downs_the_coordinator_last(store):
+    calls: list[tuple[str, str]] = []
+    launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
+    reconcile(P1, "p1", store, launcher, drainer, PRICES)
+    coord = nodes(store).query("role == 'coordinator'").cluster_name.item()
+    n = len(calls)
+    reconcile(plan(), "p0", store, launcher, drainer, PRICES)
+    tail = calls[n:]
+    assert len([c for c in tail if c[0] == "drain"]) == sum(i.count for i in P1.instances)
+    assert tail[-1] == ("down", coord)
+    assert set(nodes(store).status) == {"down"}
+
+
+def test_dry_run_writes_tasks_and_commands_and_leaves_duckdb_alone(store, tmp_path):
+    diff = plan_diff(P1, "p1", nodes(store), PRICES)
+    dry = write_dry_run(diff, tmp_path / "yaml")
+    assert not store.path.exists()
+    assert len(dry.yaml_paths) == clusters_of(P1)
+    launches = [c for c in dry.commands if c.startswith("sky launch")]
+    assert len(launches) == clusters_of(P1)
+    for path, cmd in zip(dry.yaml_paths, launches):
+        cfg = yaml.safe_load(path.read_text())
+        assert cmd.endswith(str(path)) and f"-c {cfg['name']}" in cmd
+        for secret in cfg["secrets"]:
+            assert f"--secret {secret}" in cmd
+        if "CORAL_COORDINATOR" in cfg["envs"]:
+            assert f'--env "CORAL_COORDINATOR=tcp://$(sky status --ip {diff.coordinator.cluster_name}):5555"' in cmd
+        if "CORAL_SCHEDULER" in cfg["envs"]:
+            assert '--env "CORAL_SCHEDULER=tcp://$(sky status --ip ' in cmd
+
+    reconcile(P1, "p1", store, RecordingLauncher(), RecordingDrainer(), PRICES)
+    before = nodes(store)
+    diff = plan_diff(P2, "p2", before, PRICES)
+    dry = write_dry_run(diff, tmp_path / "yaml2")
+    removed = {c for r in diff.remove for c in r.clusters}
+    assert {c.split()[-1] for c in dry.commands if c.startswith("sky down")} == removed
+    assert len(dry.yaml_paths) == GPT.nodes.size + 1
+    # Known addresses are written in; only those of nodes not yet launched are left to the shell.
+    coord = before.query("role == 'coordinator'")
+    for path, cmd in zip(dry.yaml_paths, (c for c in dry.commands if c.startswith("sky launch"))):
+        envs = yaml.safe_load(path.read_text())["envs"]
+        if "CORAL_COORDINATOR" in envs:
+            assert envs["CORAL_COORDINATOR"] == coord.address.item()
+            assert coord.cluster_name.item() not in cmd
+    assert nodes(store).equals(before)
+
+
+def test_every_env_the_builder_sets_is_declared_in_the_role_yaml(store):
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    roles = nodes(store).set_index("cluster_name").role
+    for req in launcher.requests.values():
+        role = roles[req.cluster_name]
+        declared = set(role_template(role)["envs"])
+        assert set(req.config["envs"]) == declared, role
+        assert req.secret_names == tuple(sorted(role_template(role)["secrets"]))
+
+
+def test_plan_with_node_missing_from_prices_is_refused(store):
+    odd = template("phi-4", "decode", [(40, ["L40S:1"], [1.0])])
+    p = Plan("core", "coral", "optimal", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(odd, "gcp:us-central1", 1, 1.0),),
+             {}, {})
+    with pytest.raises(CoralError, match="L40S:1 is not sold in gcp:us-central1"):
+        plan_diff(p, "px", nodes(store), PRICES)
+
+
+def _cli(monkeypatch, args, p: Plan, plan_id: str):
+    monkeypatch.setattr(launch_cli, "_load_plan", lambda store, ref: (plan_id, p))
+    command = launch_cli.launch if args[0] == "launch" else launch_cli.status
+    result = CliRunner().invoke(command, args[1:], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_secrets_never_reach_yaml_duckdb_logs_or_output(monkeypatch, tmp_path, caplog, store):
+    for k, v in SECRETS.items():
+        monkeypatch.setenv(k, v)
+    caplog.set_level(logging.DEBUG)
+    out = _cli(monkeypatch, ["launch", "--dry-run", "--json", "--db", str(store.path), "--out",
+                             str(tmp_path / "dry")], P1, "p1")
+    doc = json.loads(out)
+    assert len(doc["yaml"]) == clusters_of(P1)
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
+    reconcile(P2, "p2", store, launcher, RecordingDrainer(), PRICES)
+    out += _cli(monkeypatch, ["status", "--json", "--all", "--db", str(store.path)], P1, "p1")
+    texts = [out, caplog.text, json.dumps([r.config for r in launcher.requests.values()])]
+    texts += [p.read_text() for p in (tmp_path / "dry").iterdir()]
+    for table in ("deployment_nodes", "deployment_events", "deployments"):
+        texts.append(store.query(f"SELECT * FROM {table}").to_csv())
+    blob = store.path.read_bytes()
+    for value in SECRETS.values():
+        assert all(value not in t for t in texts)
+        assert value.encode() not in blob
+    for p in (tmp_path / "dry").iterdir():
+        secrets = yaml.safe_load(p.read_text())["secrets"]
+        assert secrets and all(v is None for v in secrets.values())
+
+
+def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
+    reconcile(P1, "p1", store, RecordingLauncher(), RecordingDrainer(), PRICES)
+    doc = json.loads(_cli(monkeypatch, ["status", "--json", "--db", str(store.path)], P1, "p1"))
+    assert doc["instances"] == sum(i.count for i in P1.instances)
+    assert doc["gpu_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour)
+    assert len(doc["nodes"]) == clusters_of(P1) and doc["last_run"]["status"] == "done"
+    text = _cli(monkeypatch, ["status", "--db", str(store.path)], P1, "p1")
+    assert "3 instance(s)" in text
+
+
+def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
+    from coral_dagster.allocation.storage import store_plan
+    from coral_dagster.deploy import sky_adapter
+
+    plan_id = store_plan(store, P1, "run-1", {})
+    runner = CliRunner()
+    dry = runner.invoke(launch_cli.launch, ["--dry-run", "--json", "--db", str(store.path), "--out",
+                                            str(tmp_path / "y")], catch_exceptions=False)
+    doc = json.loads(dry.output)
+    assert doc["plan_id"] == plan_id and len(doc["yaml"]) == clusters_of(P1)
+    assert state.read_nodes(store).empty
+    launcher = RecordingLauncher()
+    monkeypatch.setattr(sky_adapter, "SkyLauncher", lambda retry_until_up: launcher)
+    real = runner.invoke(launch_cli.launch, ["--plan", plan_id, "--json", "--db", str(store.path)],
+                         catch_exceptions=False)
+    report = json.loads(real.output)
+    assert report["status"] == "done" and sorted(report["launched"]) == sorted(launcher.ips)
+    assert len(launcher.ips) == clusters_of(P1)
+    assert set(state.read_nodes(store).plan_id) == {plan_id}

@@ -1,0 +1,74 @@
+"""The checked-in task YAMLs: pinned vLLM on GPU nodes only, secrets by name, ports, and the engine's run script."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import yaml
+
+from coral_dagster import paths
+from coral_dagster.deploy.spec import CORAL_PORT
+
+ROLES = ("engine", "scheduler", "coordinator")
+
+
+def task(role: str) -> dict:
+    return yaml.safe_load((paths.REPO_ROOT / "sky_tasks" / f"{role}.yaml").read_text())
+
+
+def test_gpu_setup_pins_the_vllm_of_the_gpu_extra_and_cpu_nodes_skip_it():
+    extra = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    pins = [d for d in extra["gpu"] if d.startswith("vllm")]
+    assert len(pins) == 1 and re.fullmatch(r"vllm==[\d.]+", pins[0])
+    assert f'"{pins[0]}"' in task("engine")["setup"]
+    deps = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    for role in ROLES:
+        setup = task(role)["setup"]
+        assert ("vllm" in setup) == (role == "engine")
+        # Every other package a node installs is pinned as the project pins it; the project itself without deps.
+        for spec in re.findall(r'"([A-Za-z0-9_.-]+==[^"]+)"', setup):
+            assert spec == pins[0] or spec in deps, spec
+        assert "--no-deps -e ." in setup
+
+
+def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():
+    for role in ROLES:
+        doc = task(role)
+        assert doc["secrets"] and all(v is None for v in doc["secrets"].values())
+        assert {"CORAL_CURVE_SECRET_KEY", "CORAL_CURVE_PUBLIC_KEYS"} <= set(doc["secrets"])
+        assert ("HF_TOKEN" in doc["secrets"]) == (role == "engine")
+        assert doc["resources"]["ports"] == CORAL_PORT
+        assert doc["envs"]["CORAL_LISTEN"] == f"tcp://0.0.0.0:{CORAL_PORT}"
+        assert doc["run"].strip().endswith(f"python -m coral_dagster.cli.serve {role}")
+    assert task("coordinator")["envs"]["CORAL_HTTP_HOST"] == "127.0.0.1"
+
+
+@pytest.mark.parametrize("curl, expected", [
+    ("exit 22", "tcp://10.1.2.3:5555"),
+    ('case "$*" in *Metadata-Flavor*) echo 34.9.8.7;; *) exit 22;; esac', "tcp://34.9.8.7:5555"),
+    ('case "$*" in *Metadata-Flavor*) exit 6;; *api/token*) echo tok;; *public-ipv4*) echo 3.4.5.6;; esac',
+     "tcp://3.4.5.6:5555"),
+])
+def test_engine_advertises_its_public_ip_else_the_one_skypilot_reports(tmp_path, curl, expected):
+    (tmp_path / "curl").write_text(f"#!/bin/sh\n{curl}\n")
+    (tmp_path / "curl").chmod(0o755)
+    script = task("engine")["run"].replace("python -m coral_dagster.cli.serve engine", 'echo "$CORAL_ADVERTISE"')
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CORAL_LISTEN": task("engine")["envs"]["CORAL_LISTEN"],
+           "SKYPILOT_NODE_IPS": "10.1.2.3\n10.1.2.4"}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
+
+
+def test_deploy_and_cli_modules_leave_skypilot_unimported():
+    """SkyPilot loads only when a real launch happens, so dry runs and status work without it."""
+    code = ("import sys, coral_dagster.deploy.reconcile, coral_dagster.deploy.sky_adapter, "
+            "coral_dagster.deploy.drain, coral_dagster.cli.launch; print('sky' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
