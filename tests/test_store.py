@@ -67,3 +67,14 @@ def test_waits_for_a_short_lock_then_writes(tmp_path):
     finally:
         holder.wait()
     assert sorted(Store(path).query("SELECT plan_id FROM plans")["plan_id"]) == ["p1", "p2"]
+
+
+def test_replace_rows_touches_only_its_key(tmp_path):
+    from coral_dagster.store.duck import replace_rows
+
+    store = Store(tmp_path / "c.duckdb")
+    store.write("t", pd.DataFrame({"scenario": ["core", "core", "ext"], "v": [1, 2, 3]}))
+    with store.transaction() as con:
+        replace_rows(con, "t", pd.DataFrame({"scenario": ["core"], "v": [10]}), {"scenario": "core"})
+    got = store.query("SELECT scenario, v FROM t ORDER BY v")
+    assert got.values.tolist() == [["ext", 3], ["core", 10]]

@@ -84,8 +84,10 @@ class Store:
         return sorted(self.query("SELECT table_name FROM information_schema.tables")["table_name"])
 
 
-def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mode: str = "append") -> None:
-    """Write `df` into `table` on an open connection (use inside `Store.transaction()`)."""
+def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mode: str = "append",
+                before_insert: tuple[str, list] | None = None) -> None:
+    """Write `df` into `table` on an open connection (use inside `Store.transaction()`); `before_insert` is a
+    statement with parameters run once the table surely exists, before the rows go in."""
     if not _IDENT.match(table):
         raise CoralError(f"table name {table!r} is not a plain identifier.", "use letters, digits and underscores.")
     if mode not in ("append", "replace"):
@@ -96,6 +98,16 @@ def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mo
             con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM _coral_frame")
         else:
             con.execute(f"CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM _coral_frame LIMIT 0")
+            if before_insert:
+                con.execute(*before_insert)
             con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _coral_frame")
     finally:
         con.unregister("_coral_frame")
+
+
+def replace_rows(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, key: dict[str, object]) -> None:
+    """Replace the rows of `table` whose columns equal `key` by `df` (use inside `Store.transaction()`)."""
+    if not all(_IDENT.match(c) for c in key):
+        raise CoralError(f"key columns {list(key)} are not plain identifiers.", "use letters, digits and underscores.")
+    write_frame(con, table, df, mode="append", before_insert=(
+        f"DELETE FROM {table} WHERE " + " AND ".join(f"{col} = ?" for col in key), list(key.values())))
