@@ -1,0 +1,295 @@
+"""`coral serve …` (coordinator, scheduler, engine node, or all of them locally) and `coral generate`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from typing import Any
+
+import click
+
+from coral_dagster.errors import CoralError
+
+ENV = "CORAL_"
+
+
+def _opt(*names: str, env: str, **kw: Any):
+    """A click option that can also be set from `CORAL_<env>` (SkyPilot passes settings as env vars)."""
+    return click.option(*names, envvar=ENV + env, show_envvar=True, **kw)
+
+
+def _timing_options(f):
+    from coral_dagster.runtime.config import Timing
+
+    d = Timing()
+    for name, env, default, text in reversed([
+        ("--heartbeat-s", "HEARTBEAT_S", d.heartbeat_s, "Seconds between heartbeats."),
+        ("--dead-after-s", "DEAD_AFTER_S", d.dead_after_s, "Silence after which a peer counts as dead."),
+        ("--request-timeout-s", "REQUEST_TIMEOUT_S", d.request_timeout_s, "Longest a request may make no progress."),
+        ("--kv-timeout-s", "KV_TIMEOUT_S", d.kv_timeout_s, "Longest a decode node waits for a KV handoff."),
+        ("--orphan-after-s", "ORPHAN_AFTER_S", d.orphan_after_s, "Exit when the upstream is silent this long."),
+    ]):
+        f = _opt(name, env=env, type=float, default=default, show_default=True, help=text)(f)
+    return f
+
+
+def _timing(kw: dict[str, Any]):
+    from coral_dagster.runtime.config import Timing
+
+    return Timing(**{k: kw.pop(k) for k in ("heartbeat_s", "dead_after_s", "request_timeout_s", "kv_timeout_s",
+                                            "orphan_after_s")})
+
+
+_json = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
+_insecure = _opt("--insecure", env="INSECURE", is_flag=True,
+                 help="Allow non-loopback sockets without CURVE (trusted networks only).")
+
+
+def _keys():
+    from coral_dagster.runtime.security import CurveKeys
+
+    return CurveKeys.from_env()
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _stop_on_signals(first: threading.Event, second: threading.Event | None = None) -> None:
+    """SIGTERM/SIGINT set `first`; a repeated signal sets `second` (e.g. drain, then stop)."""
+    def handler(signum: int, frame: Any) -> None:
+        (second if second is not None and first.is_set() else first).set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _say(as_json: bool, data: dict[str, Any], text: str) -> None:
+    click.echo(json.dumps(data) if as_json else text)
+    sys.stdout.flush()
+
+
+def model_layers(model: str) -> int:
+    """Layers of a runtime model: a tiny decoder's, else the catalog model's."""
+    from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
+
+    if model.lower().startswith(TINY_PREFIX):
+        return decoder_config(model).n_layers
+    from coral_dagster.catalog.models import get_model
+
+    return get_model(model).n_layers
+
+
+@click.group("serve", context_settings={"help_option_names": ["-h", "--help"]})
+def serve() -> None:
+    """Run the serving runtime: a coordinator, one scheduler per instance, one engine node per stage node.
+
+    `coral serve local` starts a whole deployment on this machine; the other subcommands are what each
+    cloud node runs (every flag can also come from a CORAL_* environment variable).
+    """
+
+
+@serve.command("coordinator")
+@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:5555", show_default=True,
+      help="ZeroMQ endpoint for schedulers and clients.")
+@_opt("--http-host", env="HTTP_HOST", default="127.0.0.1", show_default=True, help="Front door host.")
+@_opt("--http-port", env="HTTP_PORT", type=int, default=8000, show_default=True,
+      help="Front door port (OpenAI-compatible); -1 disables it.")
+@_opt("--model", "models", env="MODEL", multiple=True, help="Model names to list before instances register.")
+@_opt("--max-retries", env="MAX_RETRIES", type=int, default=1, show_default=True,
+      help="Times a failed request resumes on another instance.")
+@_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
+@_insecure
+@_timing_options
+@_json
+def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
+                    api_key: str | None, insecure: bool, as_json: bool, **kw: Any) -> None:
+    """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
+    from coral_dagster.runtime.config import CoordinatorConfig
+    from coral_dagster.runtime.coordinator import Coordinator
+
+    _setup_logging()
+    cfg = CoordinatorConfig(listen=listen, http_host=http_host, http_port=None if http_port < 0 else http_port,
+                            models=models, max_retries=max_retries, api_key=api_key, timing=_timing(kw))
+    coord = Coordinator(cfg, keys=_keys(), insecure=insecure)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    http = f"http://{http_host}:{coord.http.port}" if coord.http else None
+    _say(as_json, {"role": "coordinator", "listen": coord.address, "http": http},
+         f"coordinator on {coord.address}" + (f", HTTP front door on {http}" if http else ""))
+    coord.run(stop)
+
+
+@serve.command("scheduler")
+@_opt("--instance", env="INSTANCE", required=True, help="This serving instance's name.")
+@_opt("--model", env="MODEL", required=True, help="Model the instance serves.")
+@_opt("--phase", env="PHASE", type=click.Choice(["aggregated", "prefill", "decode"]), default="aggregated",
+      show_default=True, help="What the instance does.")
+@_opt("--split", env="SPLIT", required=True, help="Layers per stage, e.g. 3,5,4 (VLLM_PP_LAYER_PARTITION).")
+@_opt("--coordinator", env="COORDINATOR", default="tcp://127.0.0.1:5555", show_default=True,
+      help="The coordinator's ZeroMQ endpoint.")
+@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:5600", show_default=True,
+      help="ZeroMQ endpoint the engine nodes connect to.")
+@_opt("--tokens-per-s", env="TOKENS_PER_S", type=float, default=1.0, show_default=True,
+      help="The template's throughput; the router's weight for this instance.")
+@_insecure
+@_timing_options
+@_json
+def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator: str, listen: str,
+                  tokens_per_s: float, insecure: bool, as_json: bool, **kw: Any) -> None:
+    """Admit this instance's engine nodes, register with the coordinator when ready, and drive requests.
+
+    The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
+    """
+    from coral_dagster.runtime.config import SchedulerConfig, parse_split
+    from coral_dagster.runtime.scheduler import Scheduler
+
+    _setup_logging()
+    cfg = SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
+                          n_layers=model_layers(model), coordinator=coordinator, listen=listen,
+                          tokens_per_s=tokens_per_s, timing=_timing(kw))
+    sched = Scheduler(cfg, keys=_keys(), insecure=insecure)
+    stop = threading.Event()
+    drain = threading.Event()
+    _stop_on_signals(drain, stop)
+    threading.Thread(target=lambda: drain.wait() and sched.drain(), daemon=True).start()
+    _say(as_json, {"role": "scheduler", "instance": instance, "listen": sched.address},
+         f"scheduler {instance} on {sched.address}")
+    reason = sched.run(stop)
+    _say(as_json, {"role": "scheduler", "instance": instance, "exit": reason}, f"scheduler {instance}: {reason}")
+
+
+@serve.command("engine")
+@_opt("--node", env="NODE", default=None, help="This node's name (default: host name and stage).")
+@_opt("--model", env="MODEL", required=True, help="Model to load.")
+@_opt("--layers", env="LAYERS", required=True, help="Layer range start:end this node holds.")
+@_opt("--stage-rank", env="STAGE_RANK", type=int, required=True, help="Stage index in the instance.")
+@_opt("--scheduler", env="SCHEDULER", default="tcp://127.0.0.1:5600", show_default=True,
+      help="The instance scheduler's ZeroMQ endpoint.")
+@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:*", show_default=True,
+      help="ZeroMQ endpoint for activations and KV (port * = any free one).")
+@_opt("--advertise", env="ADVERTISE", default="", help="Address peers should use, if not the bound one.")
+@_opt("--share", env="SHARE", type=float, default=1.0, show_default=True, help="This node's share of its stage.")
+@_opt("--engine", "engine_kind", env="ENGINE", type=click.Choice(["torch", "vllm"]), default="torch",
+      show_default=True, help="Engine behind the node.")
+@_opt("--split", env="SPLIT", default="", help="The instance's layer split (vLLM engine only).")
+@_opt("--tp", env="TP", type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")
+@_opt("--device", env="DEVICE", default=None, help="Torch device (default: cuda if present, else cpu).")
+@_insecure
+@_timing_options
+@_json
+def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, scheduler: str, listen: str,
+               advertise: str, share: float, engine_kind: str, split: str, tp: int, device: str | None,
+               insecure: bool, as_json: bool, **kw: Any) -> None:
+    """Hold layers [start, end) of the model, run batched forwards and pass activations to the next stage."""
+    from coral_dagster.runtime.config import NodeSettings, parse_layers, parse_split
+    from coral_dagster.runtime.engine import make_engine
+    from coral_dagster.runtime.node import EngineNode
+
+    _setup_logging()
+    start, end = parse_layers(layers)
+    split_t = parse_split(split) if split else ()
+    settings = NodeSettings(node=node or f"{socket.gethostname()}-s{stage_rank}", model=model, start=start, end=end,
+                            n_layers=model_layers(model), stage=stage_rank, scheduler=scheduler, listen=listen,
+                            advertise=advertise, share=share, engine=engine_kind, split=split_t, tp=tp,
+                            timing=_timing(kw))
+    engine = make_engine(engine_kind, model, start, end, split=split_t, tp=tp, device=device)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    n = EngineNode(settings, engine, keys=_keys(), insecure=insecure)
+    _say(as_json, {"role": "engine", "node": settings.node, "data": n.address},
+         f"engine {settings.node} layers {start}:{end} on {n.address}")
+    reason = n.run(stop)
+    _say(as_json, {"role": "engine", "node": settings.node, "exit": reason}, f"engine {settings.node}: {reason}")
+    if n.rejected:
+        raise CoralError(f"node {settings.node} was rejected: {n.rejected}.",
+                         "start it with the model and layer range its instance expects")
+
+
+@serve.command("local")
+@click.option("--model", default="tiny-llama", show_default=True, help="Runtime model (torch engine).")
+@click.option("--split", default="3,5,4", show_default=True, help="Layers per stage.")
+@click.option("--instances", type=int, default=2, show_default=True,
+              help="Instances; with --pd half (rounded up) prefill, the rest decode.")
+@click.option("--pd", is_flag=True, help="Disaggregate prefill and decode, handing KV over node to node.")
+@click.option("--decode-split", default=None, help="Layers per stage of decode instances (default: --split).")
+@click.option("--stage-nodes", default=None,
+              help="Engine nodes per stage, e.g. 1,2,1 (default one each; decode instances with their own split "
+                   "get one each).")
+@click.option("--port", type=int, default=8000, show_default=True, help="HTTP front door port.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every process listens on.")
+@click.option("--curve", is_flag=True, help="Generate CURVE keys for this deployment and encrypt every socket.")
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
+@click.option("--ready-timeout-s", type=float, default=120.0, show_default=True, help="Start-up time limit.")
+@_timing_options
+@_json
+def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: str | None, stage_nodes: str | None,
+              port: int, host: str, curve: bool, log_dir: str | None, ready_timeout_s: float, as_json: bool,
+              **kw: Any) -> None:
+    """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C."""
+    from coral_dagster.runtime.config import parse_split
+    from coral_dagster.runtime.local import LocalDeployment, local_instances
+
+    layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
+                             parse_split(stage_nodes) if stage_nodes else ())
+    dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), curve=curve, log_dir=log_dir)
+    stop = threading.Event()
+    _stop_on_signals(stop)
+    try:
+        dep.start()
+        dep.wait_ready(ready_timeout_s)
+        info = dep.info()
+        _say(as_json, {"ready": True, **info},
+             f"serving {model} at {info['http']}/v1 ({len(layout)} instances; logs in {info['log_dir']})")
+        while not stop.wait(0.5):
+            if not dep.alive("coordinator"):
+                raise CoralError(f"the coordinator exited; logs in {info['log_dir']}.", "read coordinator.log")
+    finally:
+        dep.stop()
+
+
+@serve.command("keys")
+@_json
+def keys_cmd(as_json: bool) -> None:
+    """Generate a deployment's CURVE keys; pass them to every node as SkyPilot secrets."""
+    from coral_dagster.runtime.security import CurveKeys
+
+    env = CurveKeys.generate().env()
+    click.echo(json.dumps(env) if as_json else "\n".join(f"{k}={v}" for k, v in env.items()))
+
+
+@click.command("generate", context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--model", default="tiny-llama", show_default=True, help="Runtime model.")
+@click.option("--prompt", required=True, help="Prompt text.")
+@click.option("--greedy/--no-greedy", default=True, show_default=True,
+              help="Greedy decoding (the only mode the runtime implements).")
+@click.option("--max-tokens", type=int, default=16, show_default=True, help="Most tokens to generate.")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
+@_json
+def generate(model: str, prompt: str, greedy: bool, max_tokens: int, ignore_eos: bool, as_json: bool) -> None:
+    """Complete a prompt in this process: the reference `coral serve` must match token for token."""
+    from coral_dagster.runtime.generate import generate as run
+
+    if not greedy:
+        raise CoralError("only greedy decoding is implemented.", "pass --greedy")
+    c = run(model, prompt, max_tokens, ignore_eos)
+    data = {"text": c.text, "tokens": list(c.tokens), "finish_reason": c.finish_reason,
+            "prompt_tokens": c.prompt_tokens}
+    click.echo(json.dumps(data) if as_json else c.text)
+
+
+def _main() -> None:
+    try:
+        serve(standalone_mode=True)
+    except CoralError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    _main()

@@ -1,0 +1,124 @@
+"""Settings of the coordinator, schedulers and engine nodes, and the timing they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from coral_dagster.errors import CoralError
+from coral_dagster.runtime.engine import validate_layers
+
+PHASES = ("aggregated", "prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Heartbeat period and the bounds after which silence or slowness becomes an error."""
+
+    heartbeat_s: float = 0.5
+    # A peer silent this long is dead: three missed heartbeats.
+    dead_after_s: float = 1.5
+    # A request with no progress this long fails (or is retried) instead of hanging.
+    request_timeout_s: float = 60.0
+    # A decode node waits this long for a prefill instance's KV handoff.
+    kv_timeout_s: float = 10.0
+    # A scheduler or engine whose upstream has been silent this long exits.
+    orphan_after_s: float = 60.0
+    # A draining scheduler gives in-flight requests this long before leaving anyway.
+    drain_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.heartbeat_s < self.dead_after_s:
+            raise CoralError(f"{self.heartbeat_s=} must be positive and below {self.dead_after_s=}.",
+                             "let several heartbeats fit before a peer is declared dead")
+
+
+def parse_split(text: str) -> tuple[int, ...]:
+    """`"3,5,4"` -> (3, 5, 4): layers per stage, as `VLLM_PP_LAYER_PARTITION` takes them."""
+    try:
+        split = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        split = ()
+    if not split or any(n <= 0 for n in split):
+        raise CoralError(f"layer split {text!r} is not a list of positive layer counts.", "pass e.g. --split 3,5,4")
+    return split
+
+
+def stage_ranges(split: tuple[int, ...]) -> list[tuple[int, int]]:
+    """Layer range `[start, end)` of each stage."""
+    bounds = [0]
+    for n in split:
+        bounds.append(bounds[-1] + n)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def parse_layers(text: str) -> tuple[int, int]:
+    """`"3:8"` -> (3, 8)."""
+    try:
+        start, end = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise CoralError(f"layer range {text!r} is not start:end.", "pass e.g. --layers 3:8") from None
+    return start, end
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    """The router: ZeroMQ endpoint for schedulers and clients, HTTP front door, retry policy."""
+
+    listen: str = "tcp://127.0.0.1:5555"
+    http_host: str = "127.0.0.1"
+    http_port: int | None = 8000
+    models: tuple[str, ...] = ()
+    max_retries: int = 1
+    # Clients must send `Authorization: Bearer <api_key>` when set (OpenAI clients' `api_key`).
+    api_key: str | None = None
+    timing: Timing = field(default_factory=Timing)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """One serving instance: its model, phase, layer split and the throughput the router weighs it by."""
+
+    instance: str
+    model: str
+    phase: str
+    split: tuple[int, ...]
+    n_layers: int
+    coordinator: str
+    listen: str = "tcp://127.0.0.1:5600"
+    tokens_per_s: float = 1.0
+    timing: Timing = field(default_factory=Timing)
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise CoralError(f"unknown phase {self.phase!r}.", f"use one of: {', '.join(PHASES)}")
+        if sum(self.split) != self.n_layers:
+            raise CoralError(f"{sum(self.split)=} does not match {self.n_layers=} of {self.model}.",
+                             "make the layer split add up to the model's layers")
+        if self.tokens_per_s <= 0:
+            raise CoralError(f"{self.tokens_per_s=} must be positive.", "pass the template's throughput")
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """One engine node: the layers it holds, its stage, its share of the stage, where it listens."""
+
+    node: str
+    model: str
+    start: int
+    end: int
+    n_layers: int
+    stage: int
+    scheduler: str
+    listen: str = "tcp://127.0.0.1:*"
+    advertise: str = ""
+    share: float = 1.0
+    engine: str = "torch"
+    split: tuple[int, ...] = ()
+    tp: int = 1
+    max_batch: int = 64
+    timing: Timing = field(default_factory=Timing)
+
+    def __post_init__(self) -> None:
+        validate_layers(self.start, self.end, self.n_layers)
+        if self.share <= 0:
+            raise CoralError(f"{self.share=} must be positive.", "pass the node's share of its stage's load")

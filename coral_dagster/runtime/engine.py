@@ -1,0 +1,105 @@
+"""The engine interface every stage node drives: a batch forward over a layer range with per-request KV caches."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from coral_dagster.errors import CoralError
+
+EngineKind = Literal["torch", "vllm"]
+ENGINE_KINDS: tuple[EngineKind, ...] = ("torch", "vllm")
+
+
+@dataclass(frozen=True)
+class Step:
+    """New positions `[pos, pos + n)` of one request: token ids on the first stage, else the previous hidden states.
+
+    Arrays are in wire form (numpy; bfloat16 travels as uint16 bits).
+    """
+
+    rid: str
+    pos: int
+    tokens: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        data = self.tokens if self.tokens is not None else self.hidden
+        return int(data.shape[0])
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """A stage's result for one step: hidden states for the next stage, or the greedy token on the last stage."""
+
+    rid: str
+    hidden: np.ndarray | None = None
+    token: int | None = None
+
+
+class Engine(ABC):
+    """Layers `[start, end)` of an `n_layers` model; the first stage embeds tokens and the last one samples."""
+
+    start: int
+    end: int
+    n_layers: int
+    vocab: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.n_layers
+
+    @abstractmethod
+    def forward(self, steps: list[Step]) -> list[StepOutput]:
+        """Run every step as one batch, appending to each request's KV cache; one output per step, same order."""
+
+    @abstractmethod
+    def cache_length(self, rid: str) -> int | None:
+        """Positions cached for `rid` in all local layers; 0 for an unknown request, None while a handoff is partial."""
+
+    @abstractmethod
+    def export_kv(self, rid: str, start: int, end: int) -> list[np.ndarray]:
+        """K and V (wire form, `[kv_heads, length, head_dim]`) of global layers `[start, end)`, K then V per layer."""
+
+    @abstractmethod
+    def import_kv(self, rid: str, start: int, end: int, arrays: list[np.ndarray]) -> None:
+        """Install K and V of global layers `[start, end)` for `rid`, as `export_kv` laid them out."""
+
+    @abstractmethod
+    def free(self, rid: str) -> None:
+        """Drop `rid`'s KV cache; unknown requests are ignored."""
+
+    def check_range(self, start: int, end: int) -> None:
+        if not self.start <= start < end <= self.end:
+            raise CoralError(f"layers [{start}, {end}) are not inside this node's [{self.start}, {self.end}).",
+                             "send KV only to the node whose layer range holds it")
+
+
+def validate_layers(start: int, end: int, n_layers: int) -> None:
+    """Layers `[start, end)` must be a non-empty slice of the model."""
+    if not 0 <= start < end <= n_layers:
+        raise CoralError(f"layer range [{start}, {end}) does not fit a {n_layers}-layer model.",
+                         f"pass --layers start:end with 0 <= start < end <= {n_layers}")
+
+
+def make_engine(kind: str, model: str, start: int, end: int, split: tuple[int, ...] = (),
+                tp: int = 1, device: str | None = None) -> Engine:
+    """Build the engine `kind` for layers `[start, end)`; heavy libraries are imported only here."""
+    if kind == "torch":
+        from coral_dagster.runtime.tiny import decoder_config
+        from coral_dagster.runtime.torch_engine import TorchEngine
+
+        return TorchEngine(decoder_config(model), start, end, device=device)
+    if kind == "vllm":
+        from coral_dagster.runtime.vllm_engine import VllmEngine
+
+        return VllmEngine(model, start, end, split=split, tp=tp)
+    raise CoralError(f"unknown engine {kind!r}.", f"use one of: {', '.join(ENGINE_KINDS)}")

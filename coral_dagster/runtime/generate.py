@@ -1,0 +1,63 @@
+"""Single-process greedy generation: the reference the distributed runtime must match token for token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from coral_dagster.errors import CoralError
+from coral_dagster.runtime.engine import Engine, Step, make_engine
+from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
+
+
+@dataclass(frozen=True)
+class Completion:
+    """Generated token ids (EOS excluded), their text and why generation ended ("stop" or "length")."""
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: str
+    prompt_tokens: int
+
+
+def check_request(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
+    """Reject requests the model cannot hold, saying how to fix them."""
+    if max_tokens < 1:
+        raise CoralError(f"max_tokens={max_tokens} asks for no output.", "pass max_tokens of 1 or more")
+    if prompt_tokens + max_tokens > max_context:
+        raise CoralError(f"{prompt_tokens} prompt tokens + max_tokens={max_tokens} exceed the model's "
+                         f"{max_context}-position context.", "shorten the prompt or lower max_tokens")
+
+
+def generate_tokens(engine: Engine, prompt: list[int], max_tokens: int, ignore_eos: bool = False,
+                    rid: str = "generate") -> tuple[list[int], str]:
+    """Greedy decoding with one engine holding every layer: (output tokens, finish reason)."""
+    if not (engine.is_first and engine.is_last):
+        raise CoralError("single-process generation needs an engine holding every layer.",
+                         "build the engine with layers 0:n_layers")
+    out: list[int] = []
+    step = Step(rid, 0, tokens=np.asarray(prompt, dtype=np.int64))
+    try:
+        while True:
+            token = engine.forward([step])[0].token
+            reason = finish_reason(token, len(out) + 1, max_tokens, ignore_eos)
+            if reason != "stop":
+                out.append(token)
+            if reason:
+                return out, reason
+            step = Step(rid, step.pos + step.n_tokens, tokens=np.asarray([token], dtype=np.int64))
+    finally:
+        engine.free(rid)
+
+
+def generate(model: str, prompt: str, max_tokens: int, ignore_eos: bool = False) -> Completion:
+    """Greedy completion of `prompt` computed in this process with the torch engine."""
+    from coral_dagster.runtime.tiny import decoder_config
+
+    cfg = decoder_config(model)
+    tokenizer = ByteTokenizer()
+    ids = tokenizer.encode(prompt)
+    check_request(len(ids), max_tokens, cfg.max_context)
+    tokens, reason = generate_tokens(make_engine("torch", model, 0, cfg.n_layers), ids, max_tokens, ignore_eos)
+    return Completion(tokenizer.decode(tokens), tuple(tokens), reason, len(ids))

@@ -1,0 +1,204 @@
+"""A whole deployment on one machine: coordinator, schedulers and engine nodes as separate local processes."""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coral_dagster.errors import CoralError
+from coral_dagster.runtime.client import Client
+from coral_dagster.runtime.config import Timing, stage_ranges
+from coral_dagster.runtime.security import CurveKeys
+
+
+@dataclass(frozen=True)
+class InstanceLayout:
+    """One serving instance: phase, layer split, nodes per stage and the throughput the router weighs it by."""
+
+    name: str
+    phase: str
+    split: tuple[int, ...]
+    nodes_per_stage: tuple[int, ...] = ()
+    tokens_per_s: float = 1.0
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return self.nodes_per_stage or (1,) * len(self.split)
+
+
+def local_instances(split: tuple[int, ...], instances: int, pd: bool = False,
+                    decode_split: tuple[int, ...] | None = None,
+                    nodes_per_stage: tuple[int, ...] = ()) -> list[InstanceLayout]:
+    """`instances` aggregated instances, or with `pd` ceil(n/2) prefill and floor(n/2) decode instances."""
+    if instances < (2 if pd else 1):
+        raise CoralError(f"--instances {instances} is too few{' for PD (one prefill and one decode)' if pd else ''}.",
+                         f"pass --instances {2 if pd else 1} or more")
+    if nodes_per_stage and len(nodes_per_stage) != len(split):
+        raise CoralError(f"--stage-nodes has {len(nodes_per_stage)} entries for {len(split)} stages.",
+                         "give one node count per stage of --split")
+    if not pd:
+        return [InstanceLayout(f"agg-{i}", "aggregated", split, nodes_per_stage) for i in range(instances)]
+    n_prefill = math.ceil(instances / 2)
+    decode_split = decode_split or split
+    return ([InstanceLayout(f"prefill-{i}", "prefill", split, nodes_per_stage) for i in range(n_prefill)]
+            + [InstanceLayout(f"decode-{i}", "decode", decode_split, nodes_per_stage if decode_split == split else ())
+               for i in range(instances - n_prefill)])
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def timing_args(t: Timing) -> list[str]:
+    return ["--heartbeat-s", f"{t.heartbeat_s:g}", "--dead-after-s", f"{t.dead_after_s:g}",
+            "--request-timeout-s", f"{t.request_timeout_s:g}", "--kv-timeout-s", f"{t.kv_timeout_s:g}",
+            "--orphan-after-s", f"{t.orphan_after_s:g}"]
+
+
+# Children fork from a server that imported torch once, instead of each paying seconds of imports.
+_PRELOAD = ["torch", "coral_dagster.runtime.torch_engine", "coral_dagster.runtime.coordinator",
+            "coral_dagster.runtime.scheduler", "coral_dagster.runtime.node"]
+
+
+def _process_context() -> multiprocessing.context.BaseContext:
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
+def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    """Run `coral serve <argv>` in this process, logging to `log_path` (the body of every local process)."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.update(env)
+    from coral_dagster.cli.serve import serve
+
+    try:
+        serve.main(args=argv, prog_name="coral serve", standalone_mode=False)
+    except CoralError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+@dataclass
+class LocalDeployment:
+    """Runs each role as `coral serve <role> …` in its own process; `stop()` ends all of them."""
+
+    model: str
+    instances: list[InstanceLayout]
+    host: str = "127.0.0.1"
+    http_port: int | None = None
+    timing: Timing = field(default_factory=Timing)
+    curve: bool = False
+    max_retries: int = 1
+    log_dir: Path | None = None
+    procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.http_port = self.http_port or free_port(self.host)
+        self.zmq_port = free_port(self.host)
+        self.keys = CurveKeys.generate() if self.curve else None
+        self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="coral-serve-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def coordinator(self) -> str:
+        return f"tcp://{self.host}:{self.zmq_port}"
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        env = {"OMP_NUM_THREADS": "1", **(self.keys.env() if self.keys else {})}
+        proc = _process_context().Process(target=_child, args=(argv, str(self.log_dir / f"{name}.log"), env),
+                                          name=name, daemon=True)
+        proc.start()
+        self.procs[name] = proc
+
+    def start(self) -> None:
+        """Launch the coordinator, then each instance's scheduler and engine nodes."""
+        t = timing_args(self.timing)
+        self._spawn("coordinator", ["coordinator", "--listen", self.coordinator, "--http-host", self.host,
+                                    "--http-port", str(self.http_port), "--model", self.model,
+                                    "--max-retries", str(self.max_retries), *t])
+        for inst in self.instances:
+            listen = f"tcp://{self.host}:{free_port(self.host)}"
+            self._spawn(f"{inst.name}.scheduler", [
+                "scheduler", "--instance", inst.name, "--model", self.model, "--phase", inst.phase,
+                "--split", ",".join(map(str, inst.split)), "--coordinator", self.coordinator, "--listen", listen,
+                "--tokens-per-s", f"{inst.tokens_per_s:g}", *t])
+            for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):
+                for k in range(count):
+                    node = f"{inst.name}.s{stage}.n{k}"
+                    self._spawn(node, ["engine", "--node", node, "--model", self.model, "--layers", f"{start}:{end}",
+                                       "--stage-rank", str(stage), "--scheduler", listen,
+                                       "--listen", f"tcp://{self.host}:*", *t])
+
+    def client(self, timeout_s: float = 60.0) -> Client:
+        return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s)
+
+    def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        """Block until every instance is registered and ready; raises naming processes that died."""
+        deadline = time.monotonic() + timeout_s
+        with self.client(timeout_s=2.0) as c:
+            while True:
+                dead = {n: p.exitcode for n, p in self.procs.items() if p.exitcode is not None}
+                if dead:
+                    raise CoralError(f"processes exited during start-up: {dead}; logs in {self.log_dir}.",
+                                     "read those logs; the first error names the fix")
+                try:
+                    return c.wait_ready(len(self.instances), timeout_s=min(1.0, deadline - time.monotonic()))
+                except CoralError:
+                    if time.monotonic() > deadline:
+                        raise
+
+    def info(self) -> dict[str, Any]:
+        return {"http": self.http_url, "coordinator": self.coordinator, "log_dir": str(self.log_dir),
+                "curve": self.curve, "pids": {n: p.pid for n, p in self.procs.items()},
+                "instances": [{"instance": i.name, "phase": i.phase, "split": list(i.split)} for i in self.instances]}
+
+    def alive(self, name: str) -> bool:
+        return self.procs[name].is_alive()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process, as a machine failure would."""
+        self.procs[name].kill()
+        self.procs[name].join(timeout=10)
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`."""
+        for p in self.procs.values():
+            if p.is_alive():
+                p.terminate()
+        deadline = time.monotonic() + timeout_s
+        for p in self.procs.values():
+            p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def __enter__(self) -> LocalDeployment:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,262 @@
+"""An engine node: holds one stage's layers, runs batched forwards, passes activations on and hands KV over."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zmq
+
+from coral_dagster.runtime import wire
+from coral_dagster.runtime.config import NodeSettings
+from coral_dagster.runtime.engine import Engine, Step
+from coral_dagster.runtime.security import CurveKeys, Security
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    """A forward step that arrived before its KV cache (a PD handoff still in flight)."""
+
+    header: dict[str, Any]
+    step: Step
+    deadline: float
+
+
+class EngineNode:
+    """Receives `forward` and `kv` messages on its data socket and talks to its scheduler on a control socket.
+
+    Data messages: `forward {rid, pos, stage, route: [data address per stage], handoff: [[start, end, address]]
+    or null}` with the token ids (first stage) or hidden states; `kv {rid, start, end}` with K and V per layer.
+    Control to the scheduler: `hello`, `heartbeat`, `token {rid, token}`, `error {rid, problem}`; from it:
+    `welcome`, `reject`, `rehello`, `ping`, `free {rid}`, `stop`.
+    """
+
+    def __init__(self, settings: NodeSettings, engine: Engine, keys: CurveKeys | None = None,
+                 insecure: bool = False, ctx: zmq.Context | None = None) -> None:
+        self.s, self.engine = settings, engine
+        # An own context is terminated on close, which flushes the last messages before the process exits.
+        self._own_ctx = ctx is None
+        self.ctx = ctx or zmq.Context()
+        self.security = Security(self.ctx, keys, insecure)
+        self.data = self.ctx.socket(zmq.PULL)
+        self.data.linger = 0
+        bound = self.security.bind(self.data, settings.listen)
+        self.address = settings.advertise or bound
+        self.ctl = self.ctx.socket(zmq.DEALER)
+        self.ctl.linger = 0
+        self.ctl.setsockopt(zmq.IDENTITY, settings.node.encode())
+        self.security.connect(self.ctl, settings.scheduler)
+        self._peers: dict[str, zmq.Socket] = {}
+        self._pending: dict[str, _Pending] = {}
+        self._touched: dict[str, float] = {}
+        self.welcomed = False
+        self.rejected: str | None = None
+        self.steps_run = 0
+
+    def _peer(self, address: str) -> zmq.Socket:
+        sock = self._peers.get(address)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndhwm = 256
+            self.security.connect(sock, address)
+            self._peers[address] = sock
+        return sock
+
+    def _to_scheduler(self, header: dict[str, Any]) -> None:
+        wire.send(self.ctl, {**header, "node": self.s.node})
+
+    def _hello(self) -> None:
+        s = self.s
+        self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
+                            "data": self.address, "model": s.model, "engine": s.engine})
+
+    def _error(self, rid: str, problem: str) -> None:
+        log.warning("node %s request %s: %s", self.s.node, rid, problem)
+        self.engine.free(rid)
+        self._pending.pop(rid, None)
+        self._touched.pop(rid, None)
+        self._to_scheduler({"kind": "error", "rid": rid, "problem": f"node {self.s.node} (stage {self.s.stage}, "
+                            f"layers {self.s.start}:{self.s.end}): {problem}"})
+
+    def run(self, stop: threading.Event | None = None) -> str:
+        """Serve until told to stop, the scheduler is gone for `orphan_after_s`, or `stop` is set; says why."""
+        stop = stop or threading.Event()
+        t = self.s.timing
+        poller = zmq.Poller()
+        poller.register(self.ctl, zmq.POLLIN)
+        poller.register(self.data, zmq.POLLIN)
+        last_beat = last_upstream = 0.0
+        started = time.monotonic()
+        try:
+            while not stop.is_set():
+                now = time.monotonic()
+                if now - last_beat >= t.heartbeat_s:
+                    self._hello() if not self.welcomed else self._to_scheduler(
+                        {"kind": "heartbeat", "cached": len(self._touched)})
+                    last_beat = now
+                events = dict(poller.poll(timeout=int(1000 * t.heartbeat_s / 2)))
+                now = time.monotonic()
+                if self.ctl in events:
+                    last_upstream = now
+                    reason = self._drain_control()
+                    if reason:
+                        return reason
+                batch = self._drain_data(now) if self.data in events else []
+                batch += self._unparked(now)
+                if batch:
+                    self._run_batch(batch)
+                self._expire(now)
+                upstream = last_upstream or started
+                if self.welcomed and now - upstream > t.orphan_after_s:
+                    return f"scheduler silent for {now - upstream:.0f} s"
+            return "stopped"
+        finally:
+            self.close()
+
+    def _drain_control(self) -> str | None:
+        for _, h, _ in wire.drain(self.ctl):
+            kind = h["kind"]
+            if kind == "welcome":
+                self.welcomed = True
+            elif kind == "rehello":
+                self.welcomed = False
+                self._hello()
+            elif kind == "reject":
+                self.rejected = str(h.get("problem"))
+                return f"rejected by scheduler: {self.rejected}"
+            elif kind == "free":
+                rid = str(h.get("rid"))
+                self.engine.free(rid)
+                self._pending.pop(rid, None)
+                self._touched.pop(rid, None)
+            elif kind == "stop":
+                return "stopped by scheduler"
+        return None
+
+    def _drain_data(self, now: float) -> list[tuple[dict[str, Any], Step]]:
+        batch: list[tuple[dict[str, Any], Step]] = []
+        seen: set[str] = set()
+        for _, h, arrays in wire.drain(self.data, limit=self.s.max_batch):
+            if "rid" not in h:
+                log.warning("dropping a data message without a request id")
+                continue
+            rid = str(h["rid"])
+            self._touched[rid] = now
+            if h["kind"] == "kv":
+                self._import_kv(rid, h, arrays)
+                continue
+            if h["kind"] != "forward" or len(arrays) != 1:
+                log.warning("dropping data message of kind %r with %d arrays", h["kind"], len(arrays))
+                continue
+            try:
+                step = self._step(rid, h, arrays[0])
+            except (KeyError, TypeError, ValueError) as exc:
+                self._error(rid, f"malformed forward message: {exc}")
+                continue
+            if rid in seen or rid in self._pending:
+                self._error(rid, "two steps of one request in flight at once")
+                continue
+            seen.add(rid)
+            have = self.engine.cache_length(rid)
+            if have == step.pos:
+                batch.append((h, step))
+            elif have is None or have < step.pos:
+                self._pending[rid] = _Pending(h, step, now + self.s.timing.kv_timeout_s)
+            else:
+                self._error(rid, f"step at position {step.pos} but {have} positions are already cached")
+        return batch
+
+    def _step(self, rid: str, h: dict[str, Any], array: np.ndarray) -> Step:
+        pos, stage, route = int(h["pos"]), int(h["stage"]), h["route"]
+        if pos < 0 or not isinstance(route, list) or not 0 <= stage < len(route):
+            raise ValueError(f"position {pos}, stage {stage} of a {len(route)}-stage route")
+        if self.engine.is_first:
+            if array.ndim != 1 or array.dtype.kind not in "iu":
+                raise ValueError(f"the first stage takes a 1-D integer token array, got {array.dtype} {array.shape}")
+            return Step(rid, pos, tokens=array)
+        if array.ndim != 2 or array.shape[0] == 0:
+            raise ValueError(f"hidden states must be [tokens, hidden], got {array.shape}")
+        return Step(rid, pos, hidden=array)
+
+    def _import_kv(self, rid: str, h: dict[str, Any], arrays: list[np.ndarray]) -> None:
+        try:
+            self.engine.import_kv(rid, int(h["start"]), int(h["end"]), arrays)
+        except Exception as exc:  # noqa: BLE001 - a bad handoff fails its request, never the node
+            self._error(rid, f"KV handoff rejected: {exc}")
+
+    def _unparked(self, now: float) -> list[tuple[dict[str, Any], Step]]:
+        ready = []
+        for rid, p in list(self._pending.items()):
+            if self.engine.cache_length(rid) == p.step.pos:
+                ready.append((p.header, p.step))
+                del self._pending[rid]
+        return ready
+
+    def _expire(self, now: float) -> None:
+        for rid, p in list(self._pending.items()):
+            if now > p.deadline:
+                self._error(rid, f"KV cache for position {p.step.pos} did not arrive within "
+                            f"{self.s.timing.kv_timeout_s:g} s")
+        stale = now - 2 * self.s.timing.request_timeout_s
+        for rid, seen in list(self._touched.items()):
+            if seen < stale:
+                # The scheduler forgot this request (it died or restarted): reclaim the cache.
+                self.engine.free(rid)
+                del self._touched[rid]
+
+    def _run_batch(self, batch: list[tuple[dict[str, Any], Step]]) -> None:
+        try:
+            outputs = self.engine.forward([step for _, step in batch])
+        except Exception as exc:  # noqa: BLE001 - report, free and keep serving the other requests
+            log.exception("forward failed")
+            for _, step in batch:
+                self._error(step.rid, f"forward failed: {exc}")
+            return
+        self.steps_run += 1
+        for (h, step), out in zip(batch, outputs):
+            handoff = h.get("handoff")
+            if handoff:
+                self._hand_over(step.rid, handoff)
+            if out.token is not None:
+                self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
+                                    "pos": step.pos + step.n_tokens})
+            else:
+                self._pass_on(h, step, out.hidden)
+            if handoff:
+                self.engine.free(step.rid)
+                self._touched.pop(step.rid, None)
+
+    def _pass_on(self, h: dict[str, Any], step: Step, hidden: np.ndarray) -> None:
+        route, stage = h["route"], int(h["stage"]) + 1
+        if stage >= len(route):
+            self._error(step.rid, f"route has {len(route)} stages but stage {stage} was asked for")
+            return
+        header = {"kind": "forward", "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
+                  "handoff": h.get("handoff")}
+        if not wire.send(self._peer(route[stage]), header, [hidden]):
+            self._error(step.rid, f"next stage at {route[stage]} is not accepting activations")
+
+    def _hand_over(self, rid: str, handoff: list[list[Any]]) -> None:
+        """Send K and V of this node's layers to every decode node whose layer range overlaps them."""
+        for start, end, address in handoff:
+            lo, hi = max(int(start), self.s.start), min(int(end), self.s.end)
+            if lo >= hi:
+                continue
+            arrays = self.engine.export_kv(rid, lo, hi)
+            if not wire.send(self._peer(address), {"kind": "kv", "rid": rid, "start": lo, "end": hi}, arrays):
+                self._error(rid, f"decode node at {address} is not accepting the KV handoff")
+
+    def close(self) -> None:
+        for sock in (*self._peers.values(), self.ctl, self.data):
+            sock.close(linger=0)
+        self._peers.clear()
+        self.security.close()
+        if self._own_ctx:
+            self.ctx.term()

@@ -1,0 +1,125 @@
+"""ZeroMQ CURVE on every TCP socket: one keypair per deployment, delivered to each node as environment secrets."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from coral_dagster.errors import CoralError
+from coral_dagster.runtime.wire import MAX_MESSAGE_BYTES
+
+ENV_SECRET_KEY = "CORAL_CURVE_SECRET_KEY"
+ENV_PUBLIC_KEYS = "CORAL_CURVE_PUBLIC_KEYS"
+
+
+@dataclass(frozen=True)
+class CurveKeys:
+    """The deployment keypair (z85) and the client public keys servers admit (the deployment's own always)."""
+
+    secret: bytes
+    public: bytes
+    allowed: frozenset[bytes]
+
+    @classmethod
+    def from_secret(cls, secret: bytes | str, extra_public: tuple[bytes, ...] = ()) -> CurveKeys:
+        secret = secret.encode() if isinstance(secret, str) else secret
+        try:
+            public = zmq.curve_public(secret)
+        except (ValueError, zmq.ZMQError) as exc:
+            raise CoralError(f"{ENV_SECRET_KEY} is not a z85 CURVE secret key ({exc}).",
+                             "generate one with `coral serve keys` and pass it unchanged") from None
+        return cls(secret, public, frozenset({public, *extra_public}))
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        """A fresh keypair for one deployment."""
+        return cls.from_secret(zmq.curve_keypair()[1])
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> CurveKeys | None:
+        """Keys from `CORAL_CURVE_SECRET_KEY` (+ comma-separated `CORAL_CURVE_PUBLIC_KEYS`), or None if unset."""
+        env = os.environ if env is None else env
+        secret = env.get(ENV_SECRET_KEY, "").strip()
+        if not secret:
+            return None
+        extra = tuple(k.strip().encode() for k in env.get(ENV_PUBLIC_KEYS, "").split(",") if k.strip())
+        return cls.from_secret(secret, extra)
+
+    def env(self) -> dict[str, str]:
+        """The variables every process of the deployment needs (ship them as SkyPilot secrets)."""
+        return {ENV_SECRET_KEY: self.secret.decode(), ENV_PUBLIC_KEYS: self.public.decode()}
+
+
+def is_local(endpoint: str) -> bool:
+    """True for inproc/ipc endpoints and TCP on a loopback address."""
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return True
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _AllowList:
+    def __init__(self, allowed: frozenset[bytes]) -> None:
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
+class Security:
+    """Binds and connects sockets of one context: CURVE when keys are given, else loopback only (unless insecure)."""
+
+    def __init__(self, ctx: zmq.Context, keys: CurveKeys | None, insecure: bool = False) -> None:
+        self.ctx, self.keys, self.insecure = ctx, keys, insecure
+        self._auth: ThreadAuthenticator | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.keys is not None
+
+    def _check(self, endpoint: str, verb: str) -> None:
+        if self.keys is None and not self.insecure and not is_local(endpoint):
+            raise CoralError(f"refusing to {verb} {endpoint} without CURVE: traffic would cross the network "
+                             "unauthenticated and in the clear.",
+                             f"set {ENV_SECRET_KEY} (from `coral serve keys`) on every node, or use a loopback "
+                             "address, or pass --insecure on a trusted network")
+
+    def bind(self, sock: zmq.Socket, endpoint: str) -> str:
+        """Bind as a CURVE server admitting only the deployment's keys; returns the bound endpoint."""
+        self._check(endpoint, "listen on")
+        if self.keys is not None and endpoint.startswith("tcp://"):
+            if self._auth is None:
+                self._auth = ThreadAuthenticator(self.ctx)
+                self._auth.start()
+                self._auth.configure_curve_callback("*", credentials_provider=_AllowList(self.keys.allowed))
+            sock.curve_secretkey = self.keys.secret
+            sock.curve_publickey = self.keys.public
+            sock.curve_server = True
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.bind(endpoint)
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def connect(self, sock: zmq.Socket, endpoint: str, server_key: bytes | None = None) -> None:
+        """Connect as a CURVE client that only talks to a server holding the deployment's secret."""
+        self._check(endpoint, "connect to")
+        if self.keys is not None and endpoint.startswith("tcp://"):
+            sock.curve_secretkey = self.keys.secret
+            sock.curve_publickey = self.keys.public
+            sock.curve_serverkey = server_key or self.keys.public
+        sock.connect(endpoint)
+
+    def close(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None

@@ -1,0 +1,212 @@
+"""The torch engine: a slice of a Llama-style decoder with per-request KV caches, on CPU or CUDA."""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch.nn import functional as F
+
+from coral_dagster.runtime.engine import Engine, Step, StepOutput, validate_layers
+from coral_dagster.runtime.tiny import DecoderConfig
+
+KV = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer; matrices are `[out, in]` as in `torch.nn.Linear`."""
+
+    attn_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    mlp_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+def _generator(cfg: DecoderConfig, part: str) -> torch.Generator:
+    """A CPU generator seeded by (model seed, part), so every process builds the same weights for a part."""
+    return torch.Generator().manual_seed(zlib.crc32(f"{cfg.name}:{cfg.seed}:{part}".encode()))
+
+
+def _matrix(g: torch.Generator, rows: int, cols: int) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+
+
+def _norm(g: torch.Generator, size: int) -> torch.Tensor:
+    return 1.0 + 0.1 * torch.randn(size, generator=g)
+
+
+def layer_weights(cfg: DecoderConfig, layer: int) -> LayerWeights:
+    """Layer `layer`'s random weights, identical in every process (CPU float32)."""
+    g = _generator(cfg, f"layer{layer}")
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    return LayerWeights(
+        attn_norm=_norm(g, cfg.hidden), wq=_matrix(g, q, cfg.hidden), wk=_matrix(g, kv, cfg.hidden),
+        wv=_matrix(g, kv, cfg.hidden), wo=_matrix(g, cfg.hidden, q), mlp_norm=_norm(g, cfg.hidden),
+        w_gate=_matrix(g, cfg.intermediate, cfg.hidden), w_up=_matrix(g, cfg.intermediate, cfg.hidden),
+        w_down=_matrix(g, cfg.hidden, cfg.intermediate))
+
+
+def embedding_weights(cfg: DecoderConfig) -> torch.Tensor:
+    return torch.randn(cfg.vocab, cfg.hidden, generator=_generator(cfg, "embed"))
+
+
+def head_weights(cfg: DecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """(final norm, LM head `[vocab, hidden]`)."""
+    g = _generator(cfg, "head")
+    return _norm(g, cfg.hidden), _matrix(g, cfg.vocab, cfg.hidden)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    var = x.float().pow(2).mean(-1, keepdim=True)
+    return weight * (x.float() * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+    """Causal attention of `n` new queries `[n, heads, d]` at positions `pos..` over cached keys `[kv_heads, L, d]`."""
+    n, heads, d = q.shape
+    group = heads // k.shape[0]
+    keys, values = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = q.transpose(0, 1) @ keys.transpose(1, 2) / math.sqrt(d)
+    if n > 1:
+        allowed = torch.arange(keys.shape[1], device=q.device)[None, :] <= (
+            pos + torch.arange(n, device=q.device))[:, None]
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (probs @ values).transpose(0, 1).reshape(n, heads * d)
+
+
+class TorchEngine(Engine):
+    """Layers `[start, end)` of a `DecoderConfig`; requests are batched through every matrix multiply."""
+
+    def __init__(self, cfg: DecoderConfig, start: int, end: int, device: str | None = None,
+                 cpu_threads: int | None = 1) -> None:
+        validate_layers(start, end, cfg.n_layers)
+        self.cfg, self.start, self.end, self.n_layers, self.vocab = cfg, start, end, cfg.n_layers, cfg.vocab
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cpu" and cpu_threads:
+            # Small CPU matmuls lose more to thread hand-offs than they gain; one thread is several times faster.
+            torch.set_num_threads(cpu_threads)
+        self.dtype = getattr(torch, cfg.dtype)
+        move = self._move
+        self.layers = [LayerWeights(**{f: move(getattr(w, f)) for f in LayerWeights.__dataclass_fields__})
+                       for w in (layer_weights(cfg, i) for i in range(start, end))]
+        self.embed = move(embedding_weights(cfg)) if self.is_first else None
+        self.final_norm, self.lm_head = (tuple(map(move, head_weights(cfg))) if self.is_last else (None, None))
+        d = cfg.head_dim
+        self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
+        self._cache: dict[str, list[KV | None]] = {}
+
+    def _move(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def to_wire(self, t: torch.Tensor) -> np.ndarray:
+        t = t.detach().contiguous().cpu()
+        return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+    def from_wire(self, a: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(np.array(a))
+        if self.dtype == torch.bfloat16:
+            t = t.view(torch.bfloat16)
+        return t.to(device=self.device, dtype=self.dtype)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos()[:, None, :].to(self.dtype), emb.sin()[:, None, :].to(self.dtype)
+
+    def cache_length(self, rid: str) -> int | None:
+        layers = self._cache.get(rid)
+        if layers is None:
+            return 0
+        if any(kv is None for kv in layers):
+            return None
+        return int(layers[0][0].shape[1])
+
+    def _check_steps(self, steps: list[Step]) -> None:
+        if len({s.rid for s in steps}) != len(steps):
+            raise ValueError("a batch holds at most one step per request")
+        for s in steps:
+            have = self.cache_length(s.rid)
+            if have != s.pos:
+                raise ValueError(f"request {s.rid}: step at position {s.pos} but {have} positions are cached")
+            if s.tokens is not None and not all(0 <= int(t) < self.vocab for t in s.tokens):
+                raise ValueError(f"request {s.rid}: token ids must lie in [0, {self.vocab})")
+            if s.pos + s.n_tokens > self.cfg.max_context:
+                raise ValueError(f"request {s.rid}: {s.pos + s.n_tokens} positions exceed "
+                                 f"max_context={self.cfg.max_context}")
+
+    @torch.inference_mode()
+    def forward(self, steps: list[Step]) -> list[StepOutput]:
+        if not steps:
+            return []
+        self._check_steps(steps)
+        cfg = self.cfg
+        sizes = [s.n_tokens for s in steps]
+        if self.is_first:
+            ids = torch.from_numpy(np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in steps]))
+            x = self.embed[ids.to(self.device)]
+        else:
+            x = torch.cat([self.from_wire(s.hidden) for s in steps])
+        positions = torch.cat([torch.arange(s.pos, s.pos + n) for s, n in zip(steps, sizes)]).to(self.device)
+        cos, sin = self._rope(positions)
+        for s in steps:
+            self._cache.setdefault(s.rid, [None] * len(self.layers))
+        for li, w in enumerate(self.layers):
+            h = rms_norm(x, w.attn_norm, cfg.norm_eps)
+            q = F.linear(h, w.wq).view(-1, cfg.n_heads, cfg.head_dim)
+            k = F.linear(h, w.wk).view(-1, cfg.n_kv_heads, cfg.head_dim)
+            v = F.linear(h, w.wv).view(-1, cfg.n_kv_heads, cfg.head_dim)
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            out = torch.empty(x.shape[0], cfg.n_heads * cfg.head_dim, dtype=x.dtype, device=x.device)
+            offset = 0
+            for s, n in zip(steps, sizes):
+                rows = slice(offset, offset + n)
+                keys, values = self._append(s.rid, li, k[rows].transpose(0, 1), v[rows].transpose(0, 1))
+                out[rows] = attention(q[rows], keys, values, s.pos)
+                offset += n
+            x = x + F.linear(out, w.wo)
+            h = rms_norm(x, w.mlp_norm, cfg.norm_eps)
+            x = x + F.linear(F.silu(F.linear(h, w.w_gate)) * F.linear(h, w.w_up), w.w_down)
+        ends = np.cumsum(sizes)
+        if not self.is_last:
+            return [StepOutput(s.rid, hidden=self.to_wire(x[e - n:e])) for s, n, e in zip(steps, sizes, ends)]
+        last = rms_norm(x[torch.as_tensor(ends - 1, device=self.device)], self.final_norm, cfg.norm_eps)
+        tokens = F.linear(last, self.lm_head).float().argmax(dim=-1).tolist()
+        return [StepOutput(s.rid, token=int(t)) for s, t in zip(steps, tokens)]
+
+    def _append(self, rid: str, li: int, k: torch.Tensor, v: torch.Tensor) -> KV:
+        kv = self._cache[rid][li]
+        if kv is not None:
+            k, v = torch.cat((kv[0], k), dim=1), torch.cat((kv[1], v), dim=1)
+        self._cache[rid][li] = (k, v)
+        return k, v
+
+    def export_kv(self, rid: str, start: int, end: int) -> list[np.ndarray]:
+        self.check_range(start, end)
+        layers = self._cache[rid][start - self.start:end - self.start]
+        return [self.to_wire(t) for kv in layers for t in kv]
+
+    def import_kv(self, rid: str, start: int, end: int, arrays: list[np.ndarray]) -> None:
+        self.check_range(start, end)
+        if len(arrays) != 2 * (end - start):
+            raise ValueError(f"KV for layers [{start}, {end}) needs {2 * (end - start)} arrays, got {len(arrays)}")
+        layers = self._cache.setdefault(rid, [None] * len(self.layers))
+        for i in range(end - start):
+            layers[start - self.start + i] = (self.from_wire(arrays[2 * i]), self.from_wire(arrays[2 * i + 1]))
+
+    def free(self, rid: str) -> None:
+        self._cache.pop(rid, None)

@@ -1,0 +1,185 @@
+"""CURVE: without the deployment key a client cannot submit work, inject activations or read them on the wire."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+import zmq
+
+from coral_dagster.errors import CoralError
+from coral_dagster.runtime import wire
+from coral_dagster.runtime.client import Client
+from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
+from coral_dagster.runtime.coordinator import Coordinator
+from coral_dagster.runtime.engine import Step
+from coral_dagster.runtime.generate import generate
+from coral_dagster.runtime.local import free_port
+from coral_dagster.runtime.node import EngineNode
+from coral_dagster.runtime.scheduler import Scheduler
+from coral_dagster.runtime.security import CurveKeys
+from coral_dagster.runtime.tiny import decoder_config
+from coral_dagster.runtime.tokenizer import ByteTokenizer
+
+torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
+
+MODEL = "tiny-llama"
+CFG = decoder_config(MODEL)
+TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=20.0)
+PROMPT = "secret activations"
+
+
+class Relay:
+    """A TCP relay that records every byte sent towards the server: a wiretap on the activation link."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = target_port
+        self.captured = bytearray()
+        self.lock = threading.Lock()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = [self.listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [conn, upstream]
+            threading.Thread(target=self._pump, args=(conn, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, conn, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, record: bool) -> None:
+        while True:
+            try:
+                data = src.recv(65536)
+                if not data:
+                    return
+                if record:
+                    with self.lock:
+                        self.captured += data
+                dst.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+
+
+def _thread(stack: ExitStack, target, *args) -> None:
+    stop = threading.Event()
+    t = threading.Thread(target=target, args=(stop, *args), daemon=True)
+    t.start()
+
+    def end() -> None:
+        stop.set()
+        t.join(timeout=10)
+    stack.callback(end)
+
+
+def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, Relay]:
+    """Coordinator, scheduler and two engine nodes (layers 0:6, 6:12) as threads, each with its own context;
+    stage 1 is reached through a recording relay."""
+    contexts = [zmq.Context() for _ in range(4)]
+    for ctx in contexts:
+        stack.callback(ctx.term)
+    coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
+                        ctx=contexts[0])
+    _thread(stack, coord.run)
+    sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, coord.address,
+                                      listen="tcp://127.0.0.1:*", timing=TIMING), keys, ctx=contexts[1])
+    _thread(stack, sched.run)
+    port1 = free_port()
+    relay = Relay(port1)
+    stack.callback(relay.close)
+    nodes = []
+    for stage, (start, end), listen, advertise in ((0, (0, 6), "tcp://127.0.0.1:*", ""),
+                                                   (1, (6, 12), f"tcp://127.0.0.1:{port1}",
+                                                    f"tcp://127.0.0.1:{relay.port}")):
+        settings = NodeSettings(f"n{stage}", MODEL, start, end, CFG.n_layers, stage, sched.address, listen=listen,
+                                advertise=advertise, timing=TIMING)
+        node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, ctx=contexts[2 + stage])
+        _thread(stack, node.run)
+        nodes.append(node)
+    return coord.address, nodes[1], relay
+
+
+def _stage0_activations() -> bytes:
+    e = torch_engine.TorchEngine(CFG, 0, 6)
+    out = e.forward([Step("x", 0, tokens=np.asarray(ByteTokenizer().encode(PROMPT)))])[0]
+    return out.hidden.tobytes()
+
+
+def _intruder(address: str, ctx: zmq.Context, keys: CurveKeys | None) -> Client:
+    """A client on another machine: either no CURVE at all, or its own keypair (it knows the server's public key)."""
+    c = Client(address, ctx=ctx, timeout_s=1.0, insecure=True)
+    if keys is not None:
+        c.sock.close(linger=0)
+        c.sock = ctx.socket(zmq.DEALER)
+        c.sock.linger = 0
+        c.sock.curve_secretkey, c.sock.curve_publickey, c.sock.curve_serverkey = keys.secret, keys.public, keys.server
+        c.sock.connect(address)
+    return c
+
+
+class _Stranger:
+    def __init__(self, server_public: bytes) -> None:
+        public, self.secret = zmq.curve_keypair()
+        self.public, self.server = public, server_public
+
+
+@pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain-control"])
+def test_without_the_key_no_work_is_accepted_and_activations_are_unreadable(curve):
+    keys = CurveKeys.generate() if curve else None
+    expected = generate(MODEL, PROMPT, 6, ignore_eos=True)
+    with ExitStack() as stack:
+        address, node1, relay = _deploy(stack, keys)
+        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+        stack.callback(owner.close)
+        owner.wait_ready(1, timeout_s=20.0)
+        done = owner.complete(MODEL, [PROMPT], max_tokens=6, ignore_eos=True)[0]
+        assert done["kind"] == "done" and done["tokens"] == list(expected.tokens)
+
+        # Wiretap: the stage-0 output for this prompt crosses the relay in the clear only without CURVE.
+        with relay.lock:
+            leaked = _stage0_activations()[:512] in relay.captured
+        assert len(relay.captured) > 0 and leaked is (not curve)
+
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        intruders = [_intruder(address, ctx, None)]
+        if curve:
+            intruders.append(_intruder(address, ctx, _Stranger(keys.public)))
+        for c in intruders:
+            stack.callback(c.close)
+            c.submit(MODEL, PROMPT, max_tokens=2)
+        for c in intruders:
+            if curve:
+                with pytest.raises(CoralError, match="no reply"):
+                    c.next_event(timeout_s=1.0)
+            else:
+                assert c.next_event(timeout_s=10.0)["kind"] == "accepted"
+        submitted = owner.status()["counts"]["submitted"]
+        assert submitted == (1 if curve else 1 + len(intruders))
+
+        # Forged activations pushed straight at stage 1's data port run only without CURVE.
+        before = node1.steps_run
+        push = ctx.socket(zmq.PUSH)
+        push.linger = 0
+        stack.callback(push.close)
+        push.connect(node1.s.listen)
+        hidden = np.zeros((3, CFG.hidden), dtype=np.float32)
+        wire.send(push, {"kind": "forward", "rid": "forged", "pos": 0, "stage": 1, "route": ["x", "x"],
+                         "handoff": None}, [hidden], block=False)
+        deadline = time.monotonic() + (1.0 if curve else 10.0)
+        while time.monotonic() < deadline and node1.steps_run == before:
+            time.sleep(0.05)
+        assert (node1.steps_run > before) is (not curve)
