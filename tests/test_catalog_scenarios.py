@@ -64,3 +64,15 @@ def test_bad_scenario_names_the_field(tmp_path, old, new, field):
     with pytest.raises(CatalogError) as err:
         load_scenario(bad)
     assert err.value.field == field and "Fix:" in str(err.value)
+
+
+def test_snapshot_round_trips_through_duckdb(tmp_path):
+    from coral_dagster.catalog.store import append_snapshot, latest_snapshot
+    from coral_dagster.store import Store
+
+    store = Store(tmp_path / "c.duckdb")
+    snap = load_scenario("core").market(availability_scale=0.5)
+    assert append_snapshot(store, snap) == len(snap.offers)
+    assert append_snapshot(store, snap) == 0  # the same snapshot is never appended twice
+    back = latest_snapshot(store, "core")
+    assert back == snap

@@ -8,7 +8,7 @@ from datetime import datetime
 import pandas as pd
 
 from coral_dagster.catalog.nodes import NodeConfig
-from coral_dagster.errors import UnknownNameError
+from coral_dagster.errors import CoralError, UnknownNameError
 
 
 @dataclass(frozen=True)
@@ -68,3 +68,18 @@ class MarketSnapshot:
              "available_nodes": o.available_nodes}
             for o in self.offers
         ])
+
+
+def market_from_frame(df: pd.DataFrame) -> MarketSnapshot:
+    """Rebuild one snapshot from its `to_frame()` rows (e.g. read back from the `market_snapshots` table)."""
+    ids = df["snapshot_id"].unique()
+    if len(ids) != 1:
+        raise CoralError(f"expected the rows of one snapshot, got {len(ids)} snapshot ids.",
+                         "filter the rows by snapshot_id first.")
+    offers = sorted((
+        Offer(r.region, NodeConfig.parse(r.node), r.instance_type, float(r.usd_per_hour),
+              None if pd.isna(r.spot_usd_per_hour) else float(r.spot_usd_per_hour), int(r.available_nodes))
+        for r in df.itertuples(index=False)), key=lambda o: (o.region, o.node))
+    taken = pd.Timestamp(df["taken_at"].iloc[0])
+    taken = taken.tz_localize("UTC") if taken.tzinfo is None else taken.tz_convert("UTC")
+    return MarketSnapshot(str(ids[0]), taken.to_pydatetime(), tuple(offers))

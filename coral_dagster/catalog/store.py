@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from coral_dagster.catalog.frames import CATALOG_FRAMES
-from coral_dagster.catalog.market import MarketSnapshot
+from coral_dagster.catalog.market import MarketSnapshot, market_from_frame
 from coral_dagster.store.duck import Store, write_frame
 
 
@@ -27,3 +27,20 @@ def append_snapshot(store: Store, snapshot: MarketSnapshot) -> int:
             return 0
         write_frame(con, "market_snapshots", df)
     return len(df)
+
+
+def latest_snapshot(store: Store, scenario: str | None = None) -> MarketSnapshot:
+    """The newest stored snapshot (of one scenario when given: snapshot ids start with the scenario name)."""
+    from coral_dagster.errors import CoralError
+
+    if "market_snapshots" not in store.tables():
+        raise CoralError(f"no market snapshot is stored in {store.path}.",
+                         "materialize `market_snapshot` (or run `coral run`) first.")
+    where, params = ("WHERE snapshot_id LIKE ?", [f"{scenario}-%"]) if scenario else ("", [])
+    df = store.query(f"""SELECT * FROM market_snapshots WHERE snapshot_id = (
+                           SELECT snapshot_id FROM market_snapshots {where}
+                           ORDER BY taken_at DESC, snapshot_id DESC LIMIT 1)""", params)
+    if df.empty:
+        raise CoralError(f"no market snapshot of scenario {scenario} is stored in {store.path}.",
+                         "materialize `market_snapshot` for that scenario first.")
+    return market_from_frame(df)
