@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from coral_dagster.cli import catalog, launch, profile, run, serve
+from coral_dagster.cli import catalog, launch, profile, run, serve, simulate
 from coral_dagster.errors import CoralError
 
 
@@ -41,4 +41,5 @@ main.add_command(profile.cli, "profile")
 main.add_command(launch.launch, "launch")
 main.add_command(serve.serve, "serve")
 main.add_command(serve.generate, "generate")
+main.add_command(simulate.cli, "simulate")
 main.add_command(launch.status, "status")

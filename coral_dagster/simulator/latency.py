@@ -1,0 +1,141 @@
+"""Execution-time predictors the simulator asks for one node's iteration time (a Vidur-style interface)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from coral_dagster.catalog.nodes import NodeConfig
+
+
+class StageLatency(Protocol):
+    """Iteration times of one node holding `layers` layers of one model."""
+
+    kv_capacity_tokens: float
+
+    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
+        """One forward pass over `tokens` prompt tokens (from prompts of `seq_tokens` on average)."""
+
+    def decode_ms(self, batch: int, context_tokens: int) -> float:
+        """One decode iteration of `batch` sequences whose contexts sum to `context_tokens`."""
+
+
+class LatencyModel(Protocol):
+    """Makes the predictor of one (model, node, layers) stage."""
+
+    def stage(self, model: str, node: NodeConfig, layers: int) -> StageLatency: ...
+
+
+@dataclass(frozen=True)
+class ConstantStage:
+    """Fixed iteration times whatever the batch: the service time of a textbook queue."""
+
+    prefill_iteration_ms: float
+    decode_iteration_ms: float
+    kv_capacity_tokens: float = float("inf")
+
+    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
+        return self.prefill_iteration_ms
+
+    def decode_ms(self, batch: int, context_tokens: int) -> float:
+        return self.decode_iteration_ms
+
+
+@dataclass(frozen=True)
+class ConstantLatencyModel:
+    """Every stage takes the same fixed time per iteration (tests and queueing checks)."""
+
+    prefill_iteration_ms: float
+    decode_iteration_ms: float
+    kv_capacity_tokens: float = float("inf")
+
+    def stage(self, model: str, node: NodeConfig, layers: int) -> StageLatency:
+        return ConstantStage(self.prefill_iteration_ms, self.decode_iteration_ms, self.kv_capacity_tokens)
+
+
+class _Grid:
+    """Points 2**(i / steps) for i = 0 .. steps * doublings; `bracket` finds the cell of x in O(1)."""
+
+    def __init__(self, steps_per_doubling: int, doublings: int = 24) -> None:
+        self.steps = steps_per_doubling
+        self.points = [2.0 ** (i / steps_per_doubling) for i in range(doublings * steps_per_doubling + 1)]
+        self.last = len(self.points) - 2
+
+    def bracket(self, x: float) -> tuple[int, float]:
+        """Index i and weight w with x = (1 - w) * points[i] + w * points[i + 1] (clamped to the grid)."""
+        i = int(math.log2(x) * self.steps) if x > 1.0 else 0
+        i = i if i < self.last else self.last
+        lo, hi = self.points[i], self.points[i + 1]
+        w = (x - lo) / (hi - lo)
+        return i, (0.0 if w < 0.0 else 1.0 if w > 1.0 else w)
+
+
+# Cache grids: decode context 1/16 doubling apart, prefill tokens 1/32 and prompt length 1/8; linear in between.
+_CONTEXT = _Grid(16)
+_TOKENS = _Grid(32)
+_SEQ = _Grid(8)
+
+
+@dataclass
+class ProfileStage:
+    """A stage timed by the profile performance model, cached on grids and interpolated linearly: decode per
+    exact batch over mean context; prefill over batch tokens and mean prompt length."""
+
+    perf: object
+    spec: object
+    node: NodeConfig
+    layers: int
+    kv_capacity_tokens: float
+    _prefill: dict = field(default_factory=dict)
+    _decode: dict = field(default_factory=dict)
+
+    def _prefill_at(self, ti: int, si: int) -> float:
+        key = (ti, si)
+        ms = self._prefill.get(key)
+        if ms is None:
+            tokens = max(int(round(_TOKENS.points[ti])), 1)
+            seq = max(int(round(_SEQ.points[si])), 1)
+            ms = self._prefill[key] = self.perf.prefill_ms_per_layer(self.spec, self.node, tokens, seq) * self.layers
+        return ms
+
+    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
+        ti, tw = _TOKENS.bracket(tokens)
+        si, sw = _SEQ.bracket(seq_tokens)
+        at = self._prefill_at
+        return ((1 - tw) * ((1 - sw) * at(ti, si) + sw * at(ti, si + 1))
+                + tw * ((1 - sw) * at(ti + 1, si) + sw * at(ti + 1, si + 1)))
+
+    def _decode_at(self, batch: int, ci: int) -> float:
+        key = (batch, ci)
+        ms = self._decode.get(key)
+        if ms is None:
+            ms = self.perf.decode_ms_per_layer(self.spec, self.node, batch, _CONTEXT.points[ci]) * self.layers
+            self._decode[key] = ms
+        return ms
+
+    def decode_ms(self, batch: int, context_tokens: int) -> float:
+        ci, w = _CONTEXT.bracket(context_tokens / batch)
+        return (1.0 - w) * self._decode_at(batch, ci) + w * self._decode_at(batch, ci + 1)
+
+
+class ProfileLatencyModel:
+    """Stage times from the fitted performance model (`coral_dagster.profiles.default_perf_model()`)."""
+
+    def __init__(self, perf: object | None = None) -> None:
+        if perf is None:
+            from coral_dagster.profiles import default_perf_model
+
+            perf = default_perf_model()
+        self.perf = perf
+        self._stages: dict[tuple[str, NodeConfig, int], ProfileStage] = {}
+
+    def stage(self, model: str, node: NodeConfig, layers: int) -> StageLatency:
+        key = (model, node, layers)
+        if key not in self._stages:
+            from coral_dagster.catalog.models import get_model
+
+            spec = get_model(model)
+            kv = self.perf.kv_capacity_tokens(spec, node, layers)
+            self._stages[key] = ProfileStage(self.perf, spec, node, layers, float(kv))
+        return self._stages[key]
