@@ -45,3 +45,41 @@ def decide_replan(current: PlanState | None, demand_tokens_per_s: dict[tuple[str
             reasons.append(f"a new plan saves ${saving:,.2f}/h after churn "
                            f"({saving / current.cost_usd_per_hour:.1%} > {savings_threshold:.1%})")
     return ReplanDecision(bool(reasons), tuple(reasons))
+
+
+def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time_limit_s: float = 10.0,
+             estimate_savings: bool = True) -> tuple[str, ReplanDecision]:
+    """(inputs key, decision) for the newest stored snapshot and demand against the newest Coral plan.
+
+    The key names the snapshot and demand the decision saw, so a caller can act once per new input."""
+    from coral_dagster.allocation.demand import demand_tokens
+    from coral_dagster.allocation.inputs import scenario_problem, scenario_traces
+    from coral_dagster.allocation.methods import make_plan
+    from coral_dagster.catalog.scenarios import load_scenario
+    from coral_dagster.catalog.store import latest_snapshot
+    from coral_dagster.errors import CoralError
+    from coral_dagster.planning import latest_demand, running_plan
+    from coral_dagster.templates.library import load_library
+
+    scenario = load_scenario(scenario_name)
+    snap = latest_snapshot(store, scenario.name)
+    demand_id, rates = latest_demand(store, scenario)
+    key = f"{snap.snapshot_id}|{demand_id}"
+    demand = demand_tokens(rates, scenario_traces(scenario), scenario.headroom)
+    available = {(o.region, str(o.node)): o.available_nodes for o in snap.offers}
+    plan = running_plan(store, scenario)
+    if plan is None:
+        return key, decide_replan(None, demand, available)
+    cost_now = sum(i.count * sum(k * snap.price(i.region, n) for n, k in i.template.nodes.counts)
+                   for i in plan.instances if all(snap.offer(i.region, n) for n, _ in i.template.nodes.counts))
+    state = PlanState("latest", dict(plan.served_tokens_per_s), plan.nodes_used(), cost_now)
+    candidate = churn = None
+    if estimate_savings:
+        problem = scenario_problem(scenario, load_library(store, scenario), snap, rates=rates, running=plan.counts())
+        try:
+            best = make_plan(problem, "coral", time_limit_s=time_limit_s)
+            candidate, churn = best.cost_usd_per_hour, best.churn_usd_per_hour
+        except CoralError as exc:  # an infeasible or timed-out candidate is itself a reason to re-plan
+            return key, ReplanDecision(True, (f"candidate plan failed: {exc}",))
+    return key, decide_replan(state, demand, available, candidate_cost_usd_per_hour=candidate,
+                              churn_usd_per_hour=churn or 0.0, savings_threshold=savings_threshold)

@@ -1,7 +1,8 @@
 """Dagster resources: the DuckDB store, the market feed, the SkyPilot launcher and solver settings."""
 
 from resources.market import BundledMarketFeed, MarketFeed, SkyPilotCatalogFeed
+from resources.launcher import SkyPilotLauncher
 from resources.solver import SolverSettings
 from resources.store import CoralDuckDB
 
-__all__ = ["BundledMarketFeed", "CoralDuckDB", "MarketFeed", "SkyPilotCatalogFeed", "SolverSettings"]
+__all__ = ["BundledMarketFeed", "CoralDuckDB", "MarketFeed", "SkyPilotCatalogFeed", "SkyPilotLauncher", "SolverSettings"]

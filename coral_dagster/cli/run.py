@@ -1,6 +1,8 @@
-"""`coral run`: the main job on the bundled data and the embedded DuckDB file."""
+"""`coral run`: the main job — materialize the whole Dagster pipeline on the embedded DuckDB and print the plan."""
 
 from __future__ import annotations
+
+import os
 
 import click
 
@@ -9,31 +11,49 @@ from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
 
 @click.command()
 @click.option("--scenario", default="core", show_default=True, help="Bundled scenario to run (core, extended, helix).")
+@click.option("--simulate-s", "simulate_s", default=120.0, show_default=True, help="Seconds of traffic to simulate.")
 @db_option
 @json_option
-def cli(scenario: str, db_path: str | None, as_json: bool) -> None:
-    """Run the pipeline end to end and print a summary.
+def cli(scenario: str, simulate_s: float, db_path: str | None, as_json: bool) -> None:
+    """Run the pipeline end to end on the bundled data and print a summary.
 
-    Loads and validates every catalog into DuckDB and appends today's price and availability snapshot of the
-    scenario.
+    Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
+    template library (one partition per model) → allocation plan → baselines → simulation → deployment specs
+    (SkyPilot dry run), with their checks. Everything lands in the DuckDB file; `dagster dev` shows the same
+    assets and their history.
     """
-    from coral_dagster.catalog.frames import prices_frame
+    if db_path:
+        os.environ["CORAL_DB"] = str(db_path)
+    from coral_dagster.allocation.storage import load_plan
     from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.catalog.store import append_snapshot, load_catalogs
+    from coral_dagster.definitions import materialize_pipeline
+    from coral_dagster.planning import plan_by_model_region
     from coral_dagster.store import Store
 
-    store = Store(db_path)
-    counts = load_catalogs(store)
-    snap = load_scenario(scenario).market()
-    append_snapshot(store, snap)
-    summary = {"db": str(store.path), "scenario": scenario, "catalog_rows": counts,
-               "snapshot_id": snap.snapshot_id, "offers": len(snap.offers)}
+    sc = load_scenario(scenario)
+    checks = materialize_pipeline(scenario, simulate_s=simulate_s,
+                                  on_step=lambda step: click.echo(f"materialize: {step}", err=True))
+    for check in checks:
+        if not check.passed:
+            click.echo(f"check failed: {check.asset_key.to_user_string()} {check.check_name}: {check.metadata}",
+                       err=True)
+
+    store = Store()
+    history = store.query("SELECT * FROM plan_history WHERE scenario = ? ORDER BY created_at DESC", [scenario])
+    latest = history.groupby("method").head(1).set_index("method")
+    plan = load_plan(store, latest.loc["coral", "plan_id"])
+    sim = store.query("SELECT model, attainment, goodput_tokens_per_s FROM simulations WHERE plan_id = ? "
+                      "ORDER BY simulated_at DESC, model LIMIT ?", [latest.loc["coral", "plan_id"], len(sc.models)])
+    summary = {"db": str(store.path), "scenario": scenario, "plan": plan.as_dict(),
+               "cost_usd_per_hour": latest["cost_usd_per_hour"].to_dict(),
+               "simulation": sim.to_dict(orient="records")}
     if as_json:
         emit_json(summary)
         return
     click.echo(f"DuckDB: {store.path}")
-    for table, n in counts.items():
-        click.echo(f"  {table}: {n} rows")
-    prices = prices_frame()
-    emit_table(prices[prices["region"].isin(snap.regions)], title=f"{scenario}: node prices ($/node-hour)")
-    click.echo(f"snapshot {snap.snapshot_id}: {len(snap.offers)} offers in {', '.join(snap.regions)}")
+    emit_table(plan_by_model_region(plan).round(2), title=f"{scenario}: Coral plan ({plan.status}, "
+               f"${plan.cost_usd_per_hour:,.2f}/h, gap {plan.gap:.2%}, solved in {plan.solve_s:.2f}s)")
+    costs = latest[["cost_usd_per_hour", "status"]].reset_index()
+    costs["x_coral"] = costs["cost_usd_per_hour"] / latest.loc["coral", "cost_usd_per_hour"]
+    emit_table(costs.round(3), title="cost by method ($/h)")
+    emit_table(sim.round(3), title=f"simulated {simulate_s:g}s of traffic")

@@ -2,12 +2,14 @@
 
 -- plan_history: every plan in time order, with its instance and node counts.
 CREATE OR REPLACE VIEW plan_history AS
+WITH counted AS (
+    SELECT plan_id, coalesce(sum(count), 0) AS instances FROM plan_instances GROUP BY plan_id
+)
 SELECT p.plan_id, p.run_id, p.created_at, p.scenario, p.method, p.status, p.snapshot_id,
        p.cost_usd_per_hour, p.lp_bound_usd_per_hour, p.gap, p.solve_s, p.demand_scale,
-       coalesce(sum(i.count), 0) AS instances,
+       coalesce(c.instances, 0) AS instances,
        row_number() OVER (PARTITION BY p.scenario, p.method ORDER BY p.created_at, p.plan_id) AS seq
-FROM plans p LEFT JOIN plan_instances i USING (plan_id)
-GROUP BY ALL
+FROM plans p LEFT JOIN counted c USING (plan_id)
 ORDER BY p.created_at, p.plan_id;
 
 -- plan_diff: per plan, how many instances of each (model, phase, region, nodes) it adds or removes

@@ -1,0 +1,47 @@
+"""Automation: the re-plan job, a 6-minute schedule, and the sensor that re-plans when inputs change enough."""
+
+import os
+
+import dagster as dg
+
+from resources.solver import SolverSettings
+from resources.store import CoralDuckDB
+
+SENSOR_SCENARIO = os.environ.get("CORAL_SCENARIO", "core")
+
+refresh_inputs_job = dg.define_asset_job(
+    "refresh_inputs", selection=dg.AssetSelection.assets("market_snapshot", "demand"),
+    description="Take a new price/availability snapshot and a new demand snapshot.")
+
+replan_job = dg.define_asset_job(
+    "replan",
+    selection=dg.AssetSelection.assets("allocation_plan", "plan_simulation", "deployment_specs"),
+    description="Plan from the newest snapshot and demand, simulate the plan, and write its deployment.")
+
+refresh_inputs_schedule = dg.ScheduleDefinition(
+    name="refresh_inputs_every_6_min", job=refresh_inputs_job, cron_schedule="*/6 * * * *",
+    description="New market and demand snapshots every re-plan interval (the paper re-solves every 6 minutes).")
+
+replan_schedule = dg.ScheduleDefinition(
+    name="replan_every_6_min", job=replan_job, cron_schedule="3-59/6 * * * *",
+    description="Re-plan every 6 minutes whatever changed (the sensor re-plans only when it pays).")
+
+
+@dg.sensor(job=replan_job, minimum_interval_seconds=60, default_status=dg.DefaultSensorStatus.STOPPED,
+           description="Re-plan when the newest snapshot or demand is no longer met by the plan, or when a new "
+                       "plan would save more than the threshold after churn.")
+def reallocation_sensor(context: dg.SensorEvaluationContext, duckdb: CoralDuckDB, solver: SolverSettings):
+    from coral_dagster.errors import CoralError
+    from coral_dagster.reallocation import evaluate
+
+    try:
+        key, decision = evaluate(duckdb.store(), SENSOR_SCENARIO, savings_threshold=solver.replan_savings_threshold,
+                                 time_limit_s=min(solver.time_limit_s, 20.0))
+    except CoralError as exc:
+        return dg.SkipReason(f"cannot evaluate yet: {exc}")
+    if key == context.cursor:
+        return dg.SkipReason(f"inputs {key} already evaluated")
+    context.update_cursor(key)
+    if not decision.replan:
+        return dg.SkipReason(f"plan still right for {key}")
+    return dg.RunRequest(run_key=f"replan:{key}", tags={"coral/reasons": "; ".join(decision.reasons)[:500]})

@@ -1,0 +1,59 @@
+"""Simulation asset: the newest plan served request by request under the scenario's traces."""
+
+import dagster as dg
+from pydantic import Field
+
+from coral_dagster.catalog.scenarios import load_scenario
+from resources.store import CoralDuckDB
+
+
+class SimulationConfig(dg.Config):
+    """How long and how the plan is simulated."""
+
+    scenario: str = Field(default="core", description="Bundled scenario.")
+    duration_s: float = Field(default=120.0, description="Seconds of traffic to simulate.")
+    seed: int = Field(default=0, description="Seed of the arrival process.")
+    attainment_target: float = Field(default=0.95, description="The SLO attainment the check requires.")
+
+
+@dg.asset(group_name="simulation", kinds={"duckdb", "python"}, deps=["allocation_plan"])
+def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
+    """TTFT, TPOT, SLO attainment and goodput per model of the newest Coral plan, appended to `simulations`."""
+    from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.planning import store_simulation
+    from coral_dagster.plots import markdown_image
+    from coral_dagster.simulator.simulate import simulate_plan
+
+    store = duckdb.store()
+    plan_id = store.query("SELECT plan_id FROM plan_history WHERE scenario = ? AND method = 'coral' "
+                          "ORDER BY created_at DESC LIMIT 1", [config.scenario])["plan_id"].iloc[0]
+    result = simulate_plan(load_plan(store, plan_id), load_scenario(config.scenario), duration_s=config.duration_s,
+                           seed=config.seed)
+    table = store_simulation(store, plan_id, result, config.attainment_target)
+    return dg.MaterializeResult(metadata={
+        "plan_id": plan_id,
+        "attainment": dg.MetadataValue.float(round(result.attainment, 4)),
+        "goodput_tokens_per_s": dg.MetadataValue.float(round(result.goodput_tokens_per_s, 1)),
+        "by_model": dg.MetadataValue.md(table.round(3).to_markdown(index=False)),
+        "latency_cdf": dg.MetadataValue.md(markdown_image(_cdf_png(result), "latency CDF")),
+    })
+
+
+@dg.asset_check(asset=plan_simulation, description="Simulated SLO attainment of every model meets the target.")
+def slo_attainment_meets_target(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
+    latest = duckdb.store().query(
+        "SELECT * FROM simulations WHERE simulated_at = (SELECT max(simulated_at) FROM simulations)")
+    short = latest[latest["attainment"] < latest["attainment_target"]]
+    return dg.AssetCheckResult(passed=short.empty, metadata={
+        "below_target": dg.MetadataValue.json(dict(zip(short["model"], short["attainment"].round(4)))),
+        "worst_attainment": dg.MetadataValue.float(float(latest["attainment"].min()))})
+
+
+def _cdf_png(result) -> bytes:
+    import tempfile
+    from pathlib import Path
+
+    from coral_dagster.simulator.plots import plot_latency_cdf
+
+    with tempfile.TemporaryDirectory() as tmp:
+        return plot_latency_cdf(result, Path(tmp) / "cdf.png").read_bytes()

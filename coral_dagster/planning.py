@@ -1,0 +1,144 @@
+"""One re-planning round over the store: demand snapshots in, a stored plan (and its baselines) out."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timezone
+
+import pandas as pd
+
+from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
+from coral_dagster.allocation.methods import make_plan
+from coral_dagster.allocation.problem import AllocationProblem
+from coral_dagster.allocation.storage import load_plan, store_plan
+from coral_dagster.allocation.types import Plan
+from coral_dagster.catalog.scenarios import Scenario
+from coral_dagster.catalog.store import latest_snapshot
+from coral_dagster.errors import CoralError
+from coral_dagster.store.duck import Store, write_frame
+from coral_dagster.store.views import create_views
+from coral_dagster.templates.library import load_library
+
+
+def demand_rates(scenario: Scenario, demand_mix: str = "uniform", follow_trace: bool = False,
+                 now: datetime | None = None) -> dict[str, float]:
+    """Request rate per model: the scenario's (under a mix), optionally following each trace's 6-minute windows
+    so that the re-plan window at `now` sees the trace's burst or lull."""
+    from coral_dagster.allocation.demand import window_rates
+
+    rates = scenario_rates(scenario, demand_mix)
+    if not follow_trace:
+        return rates
+    windows = window_rates(rates, scenario_traces(scenario), scenario.replan_interval_min)
+    now = now or datetime.now(timezone.utc)
+    return windows[int(now.minute // scenario.replan_interval_min) % len(windows)]
+
+
+def store_demand(store: Store, scenario: Scenario, rates: dict[str, float], demand_mix: str,
+                 now: datetime | None = None) -> str:
+    """Append one demand snapshot (request rate per model) to `demand_snapshots`; returns its id."""
+    now = now or datetime.now(timezone.utc)
+    demand_id = f"{scenario.name}-{now:%Y%m%dT%H%M%S%f}"
+    df = pd.DataFrame([{"demand_id": demand_id, "taken_at": now, "scenario": scenario.name, "demand_mix": demand_mix,
+                        "model": m, "rate_req_s": float(r)} for m, r in sorted(rates.items())])
+    with store.transaction() as con:
+        write_frame(con, "demand_snapshots", df)
+    return demand_id
+
+
+def latest_demand(store: Store, scenario: Scenario) -> tuple[str, dict[str, float]]:
+    """(demand_id, rate per model) of the newest demand snapshot of the scenario."""
+    if "demand_snapshots" not in store.tables():
+        raise CoralError(f"no demand snapshot is stored in {store.path}.", "materialize `demand` first.")
+    df = store.query("""SELECT * FROM demand_snapshots WHERE demand_id = (
+                          SELECT demand_id FROM demand_snapshots WHERE scenario = ?
+                          ORDER BY taken_at DESC, demand_id DESC LIMIT 1)""", [scenario.name])
+    if df.empty:
+        raise CoralError(f"no demand snapshot of scenario {scenario.name}.", "materialize `demand` for it first.")
+    return str(df["demand_id"].iloc[0]), dict(zip(df["model"], df["rate_req_s"].astype(float)))
+
+
+@dataclass(frozen=True)
+class PlanRound:
+    """The inputs and outcome of one planning round."""
+
+    plan_id: str
+    plan: Plan
+    problem: AllocationProblem
+    demand_id: str
+
+
+def running_plan(store: Store, scenario: Scenario, method: str = "coral") -> Plan | None:
+    """The newest stored plan of the scenario and method, or None."""
+    if "plans" not in store.tables():
+        return None
+    try:
+        return load_plan(store, "latest", scenario=scenario.name, method=method)
+    except CoralError:
+        return None
+
+
+def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarcity: str | None = None,
+               time_limit_s: float = 30.0, run_id: str | None = None) -> PlanRound:
+    """Plan from the stored library, newest snapshot and newest demand; churn is priced against the newest plan
+    of the same method. The plan is written in one transaction; a failure writes nothing."""
+    templates = load_library(store, scenario)
+    if not templates:
+        raise CoralError(f"no templates of scenario {scenario.name} are stored in {store.path}.",
+                         "materialize `template_library` (every model partition) or run "
+                         f"`coral templates build --scenario {scenario.name}`.")
+    demand_id, rates = latest_demand(store, scenario)
+    running = running_plan(store, scenario, method)
+    problem = scenario_problem(scenario, templates, latest_snapshot(store, scenario.name), rates=rates,
+                               running=running.counts() if running else None)
+    plan = make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)
+    inputs = {"demand_id": demand_id, "snapshot_id": problem.snapshot_id, "templates": len(templates),
+              "running_plan": bool(running), "scarcity": scarcity}
+    plan_id = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
+    create_views(store)
+    return PlanRound(plan_id, plan, problem, demand_id)
+
+
+def plan_by_model_region(plan: Plan) -> pd.DataFrame:
+    """Instances, nodes, tokens/s and $/h per (model, phase, region): the table people read a plan by."""
+    rows = [{"model": i.template.model, "phase": i.template.phase, "region": i.region, "nodes": str(i.template.nodes),
+             "instances": i.count, "tokens_per_s": i.tokens_per_s, "usd_per_hour": i.count * i.usd_per_hour}
+            for i in plan.instances]
+    cols = ["model", "phase", "region", "nodes", "instances", "tokens_per_s", "usd_per_hour"]
+    return pd.DataFrame(rows, columns=cols).sort_values(["model", "phase", "region", "nodes"]).reset_index(drop=True)
+
+
+def plan_problem(store: Store, plan: Plan) -> AllocationProblem:
+    """The allocation problem a stored plan answered: its snapshot and library, and the demand it recorded."""
+    from dataclasses import replace
+
+    from coral_dagster.catalog.market import market_from_frame
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    scenario = load_scenario(plan.scenario)
+    snap = market_from_frame(store.query("SELECT * FROM market_snapshots WHERE snapshot_id = ?", [plan.snapshot_id]))
+    problem = scenario_problem(scenario, load_library(store, scenario), snap)
+    return replace(problem, demand_tokens_per_s=dict(plan.demand_tokens_per_s))
+
+
+def store_simulation(store: Store, plan_id: str, result, attainment_target: float) -> pd.DataFrame:
+    """Append one simulation's per-model figures to `simulations`; returns them."""
+    table = result.by_model.copy()
+    table.insert(0, "plan_id", plan_id)
+    table["simulated_at"] = datetime.now(timezone.utc)
+    table["duration_s"] = result.duration_s
+    table["seed"] = result.seed
+    table["attainment_target"] = attainment_target
+    with store.transaction() as con:
+        write_frame(con, "simulations", table)
+    return table
+
+
+def store_model_templates(store: Store, scenario: Scenario, model: str, templates) -> int:
+    """Replace one model's templates in the scenario's stored library (the others stay); returns its count."""
+    from coral_dagster.templates.library import store_library
+
+    others = [t for t in load_library(store, scenario) if t.model != model]
+    store_library(store, others + list(templates), scenario)
+    return len(templates)

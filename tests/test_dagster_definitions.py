@@ -1,0 +1,53 @@
+"""The Dagster code location: one Definitions that loads, its groups and checks, and the reallocation sensor."""
+
+from __future__ import annotations
+
+import dagster as dg
+
+from assets.automation import reallocation_sensor
+from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.catalog.store import append_snapshot
+from coral_dagster.definitions import defs
+from coral_dagster.planning import store_demand
+from coral_dagster.store import Store
+from resources import CoralDuckDB, SolverSettings
+
+GROUPS = {"catalog", "market", "profiling", "templates", "planning", "simulation", "deployment"}
+
+
+def test_definitions_load_with_every_group_check_job_schedule_and_sensor():
+    repo = defs.get_repository_def()
+    groups = {node.group_name for node in repo.asset_graph.asset_nodes}
+    assert groups == GROUPS
+    checks = {k.name for k in repo.asset_graph.asset_check_keys}
+    assert {"snapshot_is_sane", "layer_splits_sum_to_layers", "plan_meets_demand",
+            "slo_attainment_meets_target"} <= checks
+    assert {s.name for s in repo.schedule_defs} == {"refresh_inputs_every_6_min", "replan_every_6_min"}
+    assert repo.get_schedule_def("replan_every_6_min").cron_schedule == "3-59/6 * * * *"
+    assert [s.name for s in repo.sensor_defs] == ["reallocation_sensor"]
+
+
+def _context(path, cursor=None):
+    return dg.build_sensor_context(cursor=cursor, resources={"duckdb": CoralDuckDB(database=str(path)),
+                                                             "solver": SolverSettings()})
+
+
+def test_sensor_skips_until_inputs_exist_then_requests_one_run_per_new_input(tmp_path):
+    path = tmp_path / "c.duckdb"
+    first = reallocation_sensor(_context(path))
+    assert isinstance(first, dg.SkipReason) and "cannot evaluate yet" in first.skip_message
+
+    store, scenario = Store(path), load_scenario("core")
+    append_snapshot(store, scenario.market())
+    store_demand(store, scenario, {m.model: m.rate_req_s for m in scenario.models}, "uniform")
+    ctx = _context(path)
+    request = reallocation_sensor(ctx)
+    assert isinstance(request, dg.RunRequest)
+    assert request.run_key.startswith("replan:core-") and "no plan yet" in request.tags["coral/reasons"]
+
+    again = reallocation_sensor(_context(path, cursor=ctx.cursor))
+    assert isinstance(again, dg.SkipReason) and "already evaluated" in again.skip_message
+
+    store_demand(store, scenario, {m.model: 2 * m.rate_req_s for m in scenario.models}, "uniform")
+    fresh = reallocation_sensor(_context(path, cursor=ctx.cursor))
+    assert isinstance(fresh, dg.RunRequest) and fresh.run_key != request.run_key
