@@ -1,0 +1,134 @@
+"""`coral templates …`: the best placement of one node multiset, and the template library of a scenario."""
+
+from __future__ import annotations
+
+import click
+
+from coral_dagster.cli._out import db_option, emit, emit_json, emit_table, json_option
+from coral_dagster.templates.types import PHASES
+
+
+def _template_dict(t) -> dict:
+    return {
+        "template_id": t.template_id, "model": t.model, "phase": t.phase, "slo_ms": t.slo_ms, "nodes": str(t.nodes),
+        "n_stages": len(t.stages), "tokens_per_s": t.tokens_per_s, "bound": t.bound,
+        "pp_partition": t.pp_partition, "vllm_env": {"VLLM_PP_LAYER_PARTITION": t.pp_partition},
+        "stages": [{"start": s.start, "end": s.end, "layers": s.layers, "nodes": [str(n) for n in s.nodes],
+                    "shares": list(s.shares)} for s in t.stages],
+    }
+
+
+@click.group()
+def cli() -> None:
+    """Serving templates: throughput-optimal pipeline placements of node multisets per (model, phase, SLO).
+
+    `best` places one multiset (our exact fast method or the paper's ILP); `build` computes and stores a
+    scenario's whole library; `list` reads a stored library.
+    """
+
+
+@cli.command()
+@click.option("--model", required=True, help="Model alias or Hugging Face id (see `coral catalog models`).")
+@click.option("--phase", type=click.Choice(PHASES), required=True, help="prefill, decode or aggregated.")
+@click.option("--nodes", required=True, help="Node multiset, e.g. 3xL40S:1,3xH100:2.")
+@click.option("--slo-ms", type=float, default=None,
+              help="Latency SLO in ms (prefill: TTFT; decode and aggregated: per output token). "
+                   "Default: the scenario's.")
+@click.option("--prefill-slo-ms", type=float, default=None,
+              help="Aggregated only: the first-token bound (default: the scenario's prefill SLO).")
+@click.option("--method", type=click.Choice(["fast", "ilp"]), default="fast", show_default=True,
+              help="fast: our exact method; ilp: the paper's ILP with HiGHS (slow, the reference).")
+@click.option("--scenario", default=None,
+              help="Scenario giving the trace, SLOs and network (default: the first bundled one with the model).")
+@click.option("--time-limit-s", type=float, default=60.0, show_default=True, help="ILP time limit per stage count.")
+@click.option("--explain", is_flag=True, help="Also print the T̂ table optimized over, to re-check the optimum.")
+@json_option
+def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_ms: float | None, method: str,
+         scenario: str | None, time_limit_s: float, explain: bool, as_json: bool) -> None:
+    """The best placement and throughput of one node multiset."""
+    from coral_dagster.templates.best import best_for_nodes
+
+    t, tables, solve_s = best_for_nodes(model, phase, nodes, slo_ms=slo_ms, prefill_slo_ms=prefill_slo_ms,
+                                        scenario=scenario, method=method, time_limit_s=time_limit_s)
+    out = _template_dict(t) | {"method": method, "solve_s": solve_s,
+                               "stage_budget_ms": tables.budget_ms(len(t.stages)),
+                               "prompt_tokens": tables.workload.prompt_tokens,
+                               "output_tokens": tables.workload.output_tokens,
+                               "link_gbps": tables.workload.link_gbps}
+    idle = sorted({str(n) for s in t.stages for n, x in zip(s.nodes, s.shares) if x == 0})
+    if idle:
+        out["notes"] = [f"{', '.join(idle)} carry no load: they cannot hold their stage's layers within its budget "
+                        "and memory; a smaller multiset reaches the same throughput."]
+    table = tables.to_frame() if explain else None
+    if as_json:
+        if table is not None:
+            out["table"] = table.to_dict(orient="records")
+        emit_json(out)
+        return
+    click.echo(f"{t.model} {t.phase} at {t.slo_ms:g} ms on {t.nodes}: {t.tokens_per_s:,.1f} tokens/s "
+               f"({t.bound}-bound), {len(t.stages)} stage(s), VLLM_PP_LAYER_PARTITION={t.pp_partition}, "
+               f"{method} in {solve_s * 1e3:.2f} ms")
+    for note in out.get("notes", []):
+        click.echo(f"note: {note}")
+    import pandas as pd
+
+    emit_table(pd.DataFrame([{"stage": i, "layers": f"[{s.start},{s.end})", "nodes": " ".join(map(str, s.nodes)),
+                              "shares": " ".join(f"{x:.3f}" for x in s.shares)}
+                             for i, s in enumerate(t.stages)]), "stages")
+    if table is not None:
+        emit_table(table, "T̂ table (tokens/s per node holding `layers` layers at the per-stage budget of `stages`)")
+
+
+@cli.command()
+@click.option("--scenario", required=True, help="Bundled scenario name (core, extended, helix) or YAML path.")
+@click.option("--models", default=None, help="Comma-separated model aliases (default: all of the scenario's).")
+@click.option("--processes", type=int, default=None, help="Worker processes (default: min(2, CPUs)).")
+@click.option("--no-prune", is_flag=True, help="Keep templates another one dominates.")
+@click.option("--n-max", type=int, default=None, help="Most nodes per template (default: the scenario's, 6).")
+@click.option("--rho", type=float, default=None,
+              help="Most GPU memory per template as a multiple of the weights (default: the scenario's, 12).")
+@db_option
+@json_option
+def build(scenario: str, models: str | None, processes: int | None, no_prune: bool, n_max: int | None,
+          rho: float | None, db_path: str | None, as_json: bool) -> None:
+    """Build a scenario's template library and store it in DuckDB (replacing that scenario's rows)."""
+    from coral_dagster.store import Store
+    from coral_dagster.templates.library import build_library_with_stats, store_library
+
+    templates, stats = build_library_with_stats(
+        scenario, processes=processes, progress=not as_json, prune=not no_prune, n_max=n_max, rho=rho,
+        models=[m.strip() for m in models.split(",")] if models else None)
+    store = Store(db_path)
+    rows = store_library(store, templates, stats.scenario)
+    per_key = stats.as_frame()
+    if as_json:
+        emit_json({"scenario": stats.scenario, "templates": rows, "db": str(store.path),
+                   "tables_s": stats.tables_s, "optimize_s": stats.optimize_s, "total_s": stats.total_s,
+                   "processes": stats.processes, "per_model_phase": per_key.to_dict(orient="records")})
+        return
+    emit_table(per_key, f"templates of {stats.scenario}")
+    click.echo(f"{rows} templates stored in {store.path} in {stats.total_s:.1f} s on {stats.processes} process(es)")
+
+
+@cli.command(name="list")
+@click.option("--scenario", required=True, help="Scenario whose stored library to read.")
+@click.option("--model", default=None, help="Only this model.")
+@click.option("--phase", type=click.Choice(PHASES), default=None, help="Only this phase.")
+@click.option("--limit", type=int, default=20, show_default=True, help="Rows to print, highest throughput first.")
+@db_option
+@json_option
+def list_(scenario: str, model: str | None, phase: str | None, limit: int, db_path: str | None,
+          as_json: bool) -> None:
+    """Stored templates of a scenario, highest throughput first."""
+    from coral_dagster.errors import CoralError
+    from coral_dagster.store import Store
+    from coral_dagster.templates.library import TEMPLATES_TABLE
+
+    store = Store(db_path)
+    if TEMPLATES_TABLE not in store.tables():
+        raise CoralError(f"no template library in {store.path}.", f"run `coral templates build --scenario {scenario}`.")
+    sql = (f"SELECT model, phase, slo_ms, nodes, n_stages, tokens_per_s, bound, pp_partition FROM {TEMPLATES_TABLE} "
+           "WHERE scenario = ? AND (? IS NULL OR model = ?) AND (? IS NULL OR phase = ?) "
+           "ORDER BY tokens_per_s DESC, nodes LIMIT ?")
+    df = store.query(sql, [scenario, model, model, phase, phase, limit])
+    emit(df, as_json, f"templates of {scenario}")

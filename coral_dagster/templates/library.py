@@ -1,0 +1,275 @@
+"""The template library of a scenario: enumerate node multisets, optimize them in parallel, prune, store in DuckDB.
+
+Per (model, phase, SLO): every multiset of at most `n_max` nodes from the scenario's configurations whose total
+GPU memory lies in [weights, ρ × weights] gets its exact best placement (`sweep.sweep`). A template
+is dropped only when another of the same (model, phase, SLO) uses no more nodes of every configuration and has
+no less throughput (relative slack `DOMINANCE_REL_TOL` for float noise). Adding a node never lowers the optimum
+(it can join any stage), so along any chain of sub-multisets the throughput is non-decreasing; hence a multiset
+is dominated exactly when one of its one-node-smaller sub-multisets reaches its throughput, which is what is
+checked. Such a sub-multiset is always enumerated: it has enough memory because the dominating one below it has.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import pandas as pd
+
+from coral_dagster.catalog.gpus import node_spec
+from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.errors import CoralError
+from coral_dagster.templates.best import make_template, verify_template
+from coral_dagster.templates.optimize import Placement
+from coral_dagster.templates.sweep import sweep
+from coral_dagster.templates.throughput import ThroughputTables, build_tables, workload_for
+from coral_dagster.templates.types import PHASES, Phase, Stage, Template
+
+DOMINANCE_REL_TOL = 1e-9
+TEMPLATES_TABLE = "templates"
+TEMPLATE_NODES_TABLE = "template_nodes"
+FRAME_COLUMNS = [
+    "template_id", "scenario", "model", "phase", "slo_ms", "nodes", "n_nodes", "n_stages", "tokens_per_s",
+    "bound", "pp_partition", "stages_json", "counts_json",
+]
+
+
+def enumerate_multisets(configs: Sequence[NodeConfig], weight_bytes: float, n_max: int = 6,
+                        rho: float = 12.0) -> list[tuple[int, ...]]:
+    """Count vectors over `configs` with 1..n_max nodes and total GPU memory in [weights, ρ × weights]."""
+    if n_max < 1 or rho < 1:
+        raise CoralError(f"n_max={n_max}, rho={rho}.", "use n_max ≥ 1 and rho ≥ 1.")
+    mem = [node_spec(c).mem_bytes for c in configs]
+    out = []
+    for n in range(1, n_max + 1):
+        for combo in itertools.combinations_with_replacement(range(len(configs)), n):
+            total = sum(mem[i] for i in combo)
+            if weight_bytes <= total <= rho * weight_bytes:
+                counts = [0] * len(configs)
+                for i in combo:
+                    counts[i] += 1
+                out.append(tuple(counts))
+    return sorted(out)
+
+
+def key_templates(tables: ThroughputTables, multisets: Sequence[tuple[int, ...]],
+                  prune: bool = True) -> tuple[list[Template], int]:
+    """Templates of one (model, phase, SLO): optimize every count vector over `tables.configs`, drop the
+    dominated ones; returns the templates and how many multisets were feasible."""
+    placements = sweep(tables.tokens_per_s, tables.n_layers, multisets)  # one entry per count vector
+    drop = dominated({c: p.tokens_per_s for c, p in placements.items()}) if prune else set()
+    out = []
+    for counts, placement in sorted(placements.items()):
+        if counts in drop:
+            continue
+        # Groups follow the multiset's own (sorted) configuration order, which `make_template` expects.
+        present = sorted((i for i, k in enumerate(counts) if k), key=lambda i: tables.configs[i])
+        nodes = NodeMultiset.of({tables.configs[i]: counts[i] for i in present})
+        compact = Placement(placement.n_stages, tuple(tuple(g[i] for i in present) for g in placement.groups),
+                            placement.layers, placement.tokens_per_s)
+        out.append(make_template(tables, nodes, compact))
+    return out, len(placements)
+
+
+def _key_task(args):
+    key, tables, multisets, prune = args
+    return key, key_templates(tables, multisets, prune)
+
+
+def _tables_task(args) -> ThroughputTables:
+    workload, configs, max_stages = args
+    return build_tables(workload, configs, max_stages)
+
+
+def dominated(values: dict[tuple[int, ...], float]) -> set[tuple[int, ...]]:
+    """Count vectors some one-node-smaller vector matches in throughput (see the module docstring)."""
+    out = set()
+    for counts, value in values.items():
+        for i, k in enumerate(counts):
+            if k == 0:
+                continue
+            smaller = counts[:i] + (k - 1,) + counts[i + 1:]
+            other = values.get(smaller)
+            if other is not None and other >= value * (1 - DOMINANCE_REL_TOL):
+                out.add(counts)
+                break
+    return out
+
+
+@dataclass(frozen=True)
+class LibraryStats:
+    """What a build did: multisets optimized, templates before and after pruning, and time per step."""
+
+    scenario: str
+    per_key: tuple[tuple[str, str, float, int, int, int], ...]  # (model, phase, slo_ms, multisets, feasible, kept)
+    tables_s: float
+    optimize_s: float
+    total_s: float
+    processes: int
+
+    def as_frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.per_key, columns=["model", "phase", "slo_ms", "multisets", "feasible", "kept"])
+
+
+def build_library(scenario, *, processes: int | None = None, progress: bool = False,
+                  models: Sequence[str] | None = None, phases: Sequence[Phase] = PHASES,
+                  prune: bool = True, n_max: int | None = None, rho: float | None = None,
+                  tables: dict[tuple[str, str], ThroughputTables] | None = None) -> list[Template]:
+    """All templates of a scenario (see `build_library_with_stats`)."""
+    return build_library_with_stats(scenario, processes=processes, progress=progress, models=models,
+                                    phases=phases, prune=prune, n_max=n_max, rho=rho, tables=tables)[0]
+
+
+def build_library_with_stats(scenario, *, processes: int | None = None, progress: bool = False,
+                             models: Sequence[str] | None = None, phases: Sequence[Phase] = PHASES,
+                             prune: bool = True, n_max: int | None = None, rho: float | None = None,
+                             tables: dict[tuple[str, str], ThroughputTables] | None = None,
+                             ) -> tuple[list[Template], LibraryStats]:
+    """Build the library of a scenario (a `Scenario` or its name) over `processes` worker processes, one
+    (model, phase) per task, largest first.
+
+    `n_max` and `rho` override the scenario's (most nodes per template; memory at most ρ × the weights).
+    `tables` may supply T̂ tables per (model, phase) (e.g. from a test's synthetic performance model); otherwise
+    they come from the shipped performance model. Returns the templates sorted by id and the build's stats.
+    """
+    from coral_dagster.catalog.models import get_model
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
+    n_max = scn.n_max if n_max is None else int(n_max)
+    rho = scn.rho if rho is None else float(rho)
+    processes = processes or min(2, os.cpu_count() or 1)
+    wanted = [m for m in scn.models if models is None or m.model in models]
+    if models is not None and len(wanted) != len(set(models)):
+        known = [m.model for m in scn.models]
+        raise CoralError(f"models {sorted(set(models) - set(known))} are not in scenario {scn.name}.",
+                         f"use some of: {', '.join(known)}.")
+    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps) for m in wanted for p in phases}
+    start = time.perf_counter()
+    pool = ProcessPoolExecutor(processes) if processes > 1 else None
+    try:
+        given = dict(tables or {})
+        todo = [(w, scn.node_configs, n_max) for k, w in workloads.items() if k not in given]
+        built = list(pool.map(_tables_task, todo) if pool else map(_tables_task, todo))
+        given.update({(t.workload.model, t.workload.phase): t for t in built})
+        tables_s = time.perf_counter() - start
+        multisets = {m.model: enumerate_multisets(scn.node_configs, get_model(m.model).total_weight_bytes,
+                                                  n_max, rho) for m in wanted}
+        tasks = []
+        for key in workloads:
+            t = given[key]
+            if t.configs != scn.node_configs or max(t.tokens_per_s) < n_max:
+                raise CoralError(f"tables for {key} cover {t.configs} and S ≤ {max(t.tokens_per_s)}, not the "
+                                 f"scenario's configurations and S ≤ {n_max}.",
+                                 "build tables over scenario.node_configs with max_stages = n_max.")
+            tasks.append((key, t, multisets[key[0]], prune))
+        # Largest first, so the processes finish close together.
+        tasks.sort(key=lambda task: (-len(task[2]), task[0]))
+        results: dict[tuple[str, str], tuple[list[Template], int]] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=sum(len(task[2]) for task in tasks), desc=f"templates {scn.name}", unit="multiset")
+        done = (f.result() for f in as_completed([pool.submit(_key_task, t) for t in tasks])) if pool \
+            else map(_key_task, tasks)
+        for key, found in done:
+            results[key] = found
+            if bar is not None:
+                bar.update(len(multisets[key[0]]))
+        if bar is not None:
+            bar.close()
+    finally:
+        if pool:
+            pool.shutdown()
+    optimize_s = time.perf_counter() - start - tables_s
+    templates, per_key = [], []
+    for key in workloads:
+        found, feasible = results[key]
+        templates.extend(found)
+        per_key.append((key[0], key[1], given[key].workload.slo_ms, len(multisets[key[0]]), feasible, len(found)))
+    templates.sort(key=lambda x: x.template_id)
+    stats = LibraryStats(scn.name, tuple(per_key), tables_s, optimize_s, time.perf_counter() - start, processes)
+    return templates, stats
+
+
+def check_library(templates: Iterable[Template], tables: dict[tuple[str, str], ThroughputTables]) -> list[str]:
+    """Re-verify every template against its tables (latency rule, partition, throughput); returns problems."""
+    problems = []
+    for t in templates:
+        problems += [f"{t.template_id}: {p}" for p in verify_template(t, tables[(t.model, t.phase)])]
+    return problems
+
+
+def _stages_json(t: Template) -> str:
+    return json.dumps([{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares)}
+                       for s in t.stages])
+
+
+def templates_to_frame(templates: Iterable[Template], scenario: str) -> pd.DataFrame:
+    """One row per template (`FRAME_COLUMNS`); `counts_json` maps configuration to node count."""
+    rows = [{
+        "template_id": t.template_id, "scenario": scenario, "model": t.model, "phase": t.phase,
+        "slo_ms": float(t.slo_ms), "nodes": str(t.nodes), "n_nodes": t.nodes.size, "n_stages": len(t.stages),
+        "tokens_per_s": float(t.tokens_per_s), "bound": t.bound, "pp_partition": t.pp_partition,
+        "stages_json": _stages_json(t), "counts_json": json.dumps({str(n): k for n, k in t.nodes.counts}),
+    } for t in templates]
+    return pd.DataFrame(rows, columns=FRAME_COLUMNS).astype(
+        {"slo_ms": "float64", "n_nodes": "int64", "n_stages": "int64", "tokens_per_s": "float64"})
+
+
+def templates_from_frame(df: pd.DataFrame) -> list[Template]:
+    """Templates back from `templates_to_frame` rows (or the `templates` table)."""
+    node_of: dict[str, NodeConfig] = {}
+    out = []
+    # Parsed names are memoized: a large library repeats a few dozen configurations in every row.
+    for model, phase, slo_ms, nodes, tokens_per_s, bound, stages_json in zip(
+            df["model"], df["phase"], df["slo_ms"], df["nodes"], df["tokens_per_s"], df["bound"], df["stages_json"]):
+        stages = []
+        for st in json.loads(stages_json):
+            members = tuple(node_of[n] if n in node_of else node_of.setdefault(n, NodeConfig.parse(n))
+                            for n in st["nodes"])
+            stages.append(Stage(int(st["start"]), int(st["end"]), members, tuple(float(x) for x in st["shares"])))
+        ms = NodeMultiset.of([n for st in stages for n in st.nodes])
+        if str(ms) != nodes:
+            raise CoralError(f"template row lists nodes {nodes} but its stages hold {ms}.",
+                             "rebuild the library with `coral templates build`.")
+        out.append(Template(model, phase, float(slo_ms), ms, tuple(stages), float(tokens_per_s), bound))
+    return out
+
+
+def node_count_frame(templates_frame: pd.DataFrame) -> pd.DataFrame:
+    """`(scenario, template_id, node, count)` rows: how many nodes of each configuration a template uses."""
+    rows = [{"scenario": r.scenario, "template_id": r.template_id, "node": n, "count": int(k)}
+            for r in templates_frame.itertuples(index=False) for n, k in json.loads(r.counts_json).items()]
+    return pd.DataFrame(rows, columns=["scenario", "template_id", "node", "count"]).astype({"count": "int64"})
+
+
+def store_library(store, templates: Iterable[Template], scenario) -> int:
+    """Replace the scenario's rows of the `templates` and `template_nodes` tables in one transaction."""
+    from coral_dagster.store.duck import write_frame
+
+    name = scenario if isinstance(scenario, str) else scenario.name
+    frame = templates_to_frame(templates, name)
+    with store.transaction() as con:
+        existing = set(con.execute("SELECT table_name FROM information_schema.tables").df()["table_name"])
+        for table in (TEMPLATES_TABLE, TEMPLATE_NODES_TABLE):
+            if table in existing:
+                con.execute(f"DELETE FROM {table} WHERE scenario = ?", [name])
+        write_frame(con, TEMPLATES_TABLE, frame, "append")
+        write_frame(con, TEMPLATE_NODES_TABLE, node_count_frame(frame), "append")
+    return len(frame)
+
+
+def load_library(store, scenario) -> list[Template]:
+    """The stored templates of a scenario; empty when none were stored."""
+    name = scenario if isinstance(scenario, str) else scenario.name
+    if TEMPLATES_TABLE not in store.tables():
+        return []
+    df = store.query(f"SELECT * FROM {TEMPLATES_TABLE} WHERE scenario = ? ORDER BY template_id", [name])
+    return templates_from_frame(df)

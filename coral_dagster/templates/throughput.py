@@ -1,0 +1,233 @@
+"""T̂ tables the placement optimizer works on: per stage count S, node configuration and layer count.
+
+Latency rule (ours, beyond the paper's even split). An S-stage pipeline gives every stage the budget ℓ/S. When
+S > 1 a stage's time also includes sending its output activations (tokens × `activation_bytes_per_token`) to the
+next stage over min(the node's NIC, the scenario's `link_gbps`); a single stage sends nothing. The rule charges
+every stage of a multi-stage pipeline the transfer (the last one hands its output or KV cache on too), so T̂
+depends only on (configuration, j, S) and not on the stage's position: the optimizer is exact for this rule, and
+the stage times of any placement sum to at most S · ℓ/S = ℓ.
+
+Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of the trace's mean length. `decode`: output
+tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
+`aggregated` (one instance serves whole requests): each stage iteration is a slot of ℓ_d/S (ℓ_d = decode
+per-token SLO) split into a prefill chunk within β·ℓ_d/S and a decode step within (1-β)·ℓ_d/S. A slot admits C
+prompt tokens (the prefill batch) and emits B output tokens (the decode batch); requests of P prompt and D output
+tokens flow at min(C/P, B/D) per slot, so T̂ = min(C·D/P, B) / (ℓ_d/S) output tokens/s. A prompt needs ⌈P/C⌉
+chunks, so its first token comes after (⌈P/C⌉ - 1 + S) slots, which must stay within the prefill SLO; T̂ is 0
+otherwise. T̂ is the best over β in `AGGREGATED_PREFILL_FRACTIONS`. Every decode token waits at most one slot per
+stage, so the per-token SLO holds by construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable, Protocol
+
+import numpy as np
+import pandas as pd
+
+from coral_dagster.catalog.gpus import node_spec
+from coral_dagster.catalog.nodes import NodeConfig
+from coral_dagster.errors import CoralError, UnknownNameError
+from coral_dagster.templates.types import PHASES, Phase
+
+#: Mean prompt and output tokens of the bundled traces (shared/data/README.md: Azure LLM inference trace 2023).
+TRACE_MEAN_TOKENS: dict[str, tuple[int, int]] = {"azure-conv": (1155, 211), "azure-code": (2048, 28)}
+#: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
+AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class ThroughputPointLike(Protocol):
+    tokens_per_s: float
+    batch: int
+    stage_ms: float
+    bound: str
+
+
+class PerfLike(Protocol):
+    """What the optimizer needs of the performance model (`coral_dagster.profiles.perf.PerfModel`)."""
+
+    def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None) -> ThroughputPointLike:
+        ...
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one (model, phase, SLO) asks of a node: the latency budget, request lengths and network cap."""
+
+    model: str
+    phase: Phase
+    slo_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    prefill_slo_ms: float
+    link_gbps: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise UnknownNameError("phase", self.phase, PHASES)
+        if self.slo_ms <= 0 or self.prefill_slo_ms <= 0:
+            raise CoralError(f"SLO of {self.slo_ms:g} ms for {self.model} {self.phase}.", "give a positive SLO.")
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise CoralError(
+                f"request lengths {self.prompt_tokens}/{self.output_tokens} tokens.", "give at least 1 token each."
+            )
+
+    @property
+    def decode_context_tokens(self) -> int:
+        """Mean context of a decode step: the prompt plus half the output generated so far."""
+        return self.prompt_tokens + self.output_tokens // 2
+
+
+def trace_mean_tokens(trace: str) -> tuple[int, int]:
+    """(mean prompt tokens, mean output tokens) of a bundled trace."""
+    if trace not in TRACE_MEAN_TOKENS:
+        raise UnknownNameError("trace", trace, list(TRACE_MEAN_TOKENS))
+    return TRACE_MEAN_TOKENS[trace]
+
+
+def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
+                 slo_ms: float | None = None) -> Workload:
+    """The workload of one scenario model in one phase; `slo_ms` overrides the scenario's SLO of that phase
+    (for aggregated, the per-token SLO; the prefill SLO still bounds the first token)."""
+    prompt, output = trace_mean_tokens(scenario_model.trace)
+    default = scenario_model.prefill_slo_ms if phase == "prefill" else scenario_model.decode_slo_ms
+    return Workload(scenario_model.model, phase, float(slo_ms if slo_ms is not None else default), prompt, output,
+                    float(scenario_model.prefill_slo_ms), link_gbps)
+
+
+@lru_cache(maxsize=8)
+def perf_for_prompt(prompt_tokens: int):
+    """The shipped performance model with prefill batches made of prompts of `prompt_tokens` tokens."""
+    from coral_dagster.profiles.fit import load_fit
+    from coral_dagster.profiles.measured import load_measured
+    from coral_dagster.profiles.perf import PerfModel
+
+    return PerfModel(load_fit(), load_measured(), prefill_seq_tokens=int(prompt_tokens))
+
+
+@dataclass(frozen=True)
+class Point:
+    """One T̂ entry with its evidence: batch (tokens or sequences per stage step), stage time and what bound it."""
+
+    tokens_per_s: float
+    batch: int
+    stage_ms: float
+    bound: str
+
+
+ZERO_SLO = Point(0.0, 0, 0.0, "slo")
+
+
+@dataclass(frozen=True)
+class ThroughputTables:
+    """T̂ for S = 1..max_stages: `tokens_per_s[S][i, j-1]` for configuration `configs[i]` holding j layers."""
+
+    workload: Workload
+    configs: tuple[NodeConfig, ...]
+    n_layers: int
+    tokens_per_s: dict[int, np.ndarray]
+    points: dict[int, tuple[tuple[Point, ...], ...]]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {c: i for i, c in enumerate(self.configs)})
+
+    def budget_ms(self, n_stages: int) -> float:
+        return self.workload.slo_ms / n_stages
+
+    def index(self, node: NodeConfig) -> int:
+        i = self._index.get(node)  # type: ignore[attr-defined]
+        if i is None:
+            raise UnknownNameError("node configuration in this table", str(node), [str(c) for c in self.configs])
+        return i
+
+    def rows(self, nodes: tuple[NodeConfig, ...]) -> dict[int, np.ndarray]:
+        """Sub-tables for the configurations `nodes`, in that order."""
+        idx = [self.index(n) for n in nodes]
+        return {s: t[idx] for s, t in self.tokens_per_s.items()}
+
+    def point(self, n_stages: int, node: NodeConfig, layers: int) -> Point:
+        return self.points[n_stages][self.index(node)][layers - 1]
+
+    def to_frame(self, nodes: tuple[NodeConfig, ...] | None = None, max_stages: int | None = None) -> pd.DataFrame:
+        """`{stages, node, layers, tokens_per_s, batch, stage_ms, bound}` rows, the optimizer's whole input."""
+        rows = []
+        for s in sorted(self.points):
+            if max_stages is not None and s > max_stages:
+                continue
+            for node in nodes or self.configs:
+                for j, p in enumerate(self.points[s][self.index(node)], start=1):
+                    rows.append({"stages": s, "node": str(node), "layers": j, "tokens_per_s": p.tokens_per_s,
+                                 "batch": p.batch, "stage_ms": p.stage_ms, "bound": p.bound})
+        return pd.DataFrame(rows, columns=["stages", "node", "layers", "tokens_per_s", "batch", "stage_ms", "bound"])
+
+
+def send_gbps(node: NodeConfig, n_stages: int, link_gbps: float | None) -> float | None:
+    """Bandwidth a stage sends its activations over: none for one stage, else min(NIC, scenario link)."""
+    if n_stages == 1:
+        return None
+    nic = node_spec(node).nic_gbps
+    return nic if link_gbps is None else min(nic, float(link_gbps))
+
+
+def _aggregated_point(perf: PerfLike, model, node: NodeConfig, w: Workload, layers: int, n_stages: int,
+                      send: float | None) -> Point:
+    slot_ms = w.slo_ms / n_stages
+    best = ZERO_SLO
+    for beta in AGGREGATED_PREFILL_FRACTIONS:
+        pre = perf.t_hat(model, node, "prefill", layers, beta * slot_ms, w.prompt_tokens, send)
+        dec = perf.t_hat(model, node, "decode", layers, (1 - beta) * slot_ms, w.decode_context_tokens, send)
+        if pre.tokens_per_s <= 0 or dec.tokens_per_s <= 0:
+            continue
+        chunks = math.ceil(w.prompt_tokens / pre.batch)
+        if (chunks - 1 + n_stages) * slot_ms > w.prefill_slo_ms:
+            continue
+        via_prefill = pre.batch * w.output_tokens / w.prompt_tokens
+        tokens_per_s = min(via_prefill, dec.batch) * 1000.0 / slot_ms
+        if tokens_per_s > best.tokens_per_s:
+            bound = pre.bound if via_prefill < dec.batch else dec.bound
+            best = Point(tokens_per_s, int(min(via_prefill, dec.batch)), pre.stage_ms + dec.stage_ms, bound)
+    if best is ZERO_SLO:
+        # Say why it is zero: memory when the weights cannot sit on the node at all.
+        dec = perf.t_hat(model, node, "decode", layers, slot_ms, w.decode_context_tokens, send)
+        return Point(0.0, 0, 0.0, dec.bound if dec.tokens_per_s <= 0 else "slo")
+    return best
+
+
+def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages: int,
+                 perf: PerfLike | None = None, model_spec=None) -> ThroughputTables:
+    """T̂ of every configuration at every layer count for S = 1..max_stages under the latency rule above."""
+    from coral_dagster.catalog.models import get_model
+
+    spec = model_spec or get_model(workload.model)
+    perf = perf or perf_for_prompt(workload.prompt_tokens)
+    n_layers = spec.n_layers
+    max_layers = {c: _max_layers(perf, spec, c, n_layers) for c in configs}
+    tokens, points = {}, {}
+    for s in range(1, max_stages + 1):
+        budget = workload.slo_ms / s
+        rows = []
+        for c in configs:
+            send = send_gbps(c, s, workload.link_gbps)
+            row = []
+            for j in range(1, n_layers + 1):
+                if j > max_layers[c]:
+                    row.append(Point(0.0, 0, 0.0, "memory"))
+                elif workload.phase == "aggregated":
+                    row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
+                else:
+                    ctx = workload.prompt_tokens if workload.phase == "prefill" else workload.decode_context_tokens
+                    p = perf.t_hat(spec, c, workload.phase, j, budget, ctx, send)
+                    row.append(Point(float(p.tokens_per_s), int(p.batch), float(p.stage_ms), str(p.bound)))
+            rows.append(tuple(row))
+        points[s] = tuple(rows)
+        tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
+    return ThroughputTables(workload, tuple(configs), n_layers, tokens, points)
+
+
+def _max_layers(perf, spec, node: NodeConfig, n_layers: int) -> int:
+    """Layers that can fit at all; a perf model without `max_layers` is asked per layer count instead."""
+    fn: Callable | None = getattr(perf, "max_layers", None)
+    return min(int(fn(spec, node)), n_layers) if fn is not None else n_layers
