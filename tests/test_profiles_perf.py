@@ -244,3 +244,16 @@ def test_every_catalog_model_has_a_profile_on_every_gpu(perf):
             assert perf.prefill_ms_per_layer(model, f"{gpu}:1", 1024) > 0
             assert perf.decode_ms_per_layer(model, f"{gpu}:1", 16, 1000) > 0
             assert node_spec(f"{gpu}:1").mem_bytes > 15 * GIB
+
+
+def test_resident_micro_batches_share_the_kv_cache(perf):
+    # Memory-bound decode (phi-4 on one L40S at 4k context): k resident micro-batches of b sequences hold
+    # k · b · 4096 tokens, which must fit the node's KV capacity.
+    cap = perf.kv_capacity_tokens("phi-4", "L40S:1", 40)
+    for k in (1, 2, 3):
+        p = perf.t_hat("phi-4", "L40S:1", "decode", 40, 10_000.0, 4096, resident_batches=k)
+        assert p.bound == "memory" and p.batch == cap // (k * 4096)
+    assert perf.t_hat("phi-4", "L40S:1", "decode", 40, 60.0, 1024) == perf.t_hat(
+        "phi-4", "L40S:1", "decode", 40, 60.0, 1024, resident_batches=1)
+    with pytest.raises(CoralError):
+        perf.t_hat("phi-4", "L40S:1", "decode", 40, 60.0, 1024, resident_batches=0)

@@ -18,7 +18,7 @@ from coral_dagster.templates.throughput import Workload, build_tables, perf_for_
 
 
 @pytest.mark.parametrize("model, phase, nodes", [
-    ("qwen3-32b", "prefill", "2xL4:2,1xL40S:1"),
+    ("qwen3-32b", "prefill", "1xL4:4,2xL40S:1"),  # L4:2 nodes cannot prefill a 2,219-token prompt in time
     ("qwen3-32b", "decode", "2xL4:4,2xA10G:2"),
     ("llama-3.1-70b", "decode", "2xL40S:4,2xA100-80GB:2"),
     ("gpt-oss-120b", "decode", "1xH100:1,2xL40S:1"),
@@ -33,14 +33,28 @@ def test_pipeline_latency_and_throughput_rechecked_with_the_perf_model(model, ph
     assert t.stages[-1].end == get_model(model).n_layers
     if phase == "aggregated":
         return  # its T̂ is composed from two t_hat calls; covered by the aggregated tests below
-    perf = perf_for_prompt(w.prompt_tokens)
+    # The rule: steps within slo_margin × ℓ/S, KV for S resident micro-batches, prefill at its utilisation target.
+    perf = perf_for_prompt(w.prefill_seq_tokens)
     ctx = w.prompt_tokens if phase == "prefill" else w.decode_context_tokens
+    share = w.prefill_utilisation if phase == "prefill" else 1.0
     pipeline_ms, stage_values = 0.0, []
+    def budget(n, layers):
+        if phase == "prefill":
+            return w.slo_ms * w.slo_margin / n_stages
+        # A short request's TPOT carries its KV hand-off (layers of a mean prompt over the NIC) and a cycle's wait.
+        handoff_ms = layers * get_model(model).kv_bytes_per_layer(w.prompt_tokens) * 8e3 / (node_spec(n).nic_gbps * 1e9)
+        d = w.short_output_tokens
+        return (w.slo_ms * w.slo_margin * (d - 1) - handoff_ms) / (d * n_stages)
+
     for s in t.stages:
-        points = [perf.t_hat(get_model(model), n, phase, s.layers, w.slo_ms / n_stages, ctx,
-                             None if n_stages == 1 else node_spec(n).nic_gbps) for n in s.nodes]
+        points = [perf.t_hat(get_model(model), n, phase, s.layers, budget(n, s.layers), ctx,
+                             None if n_stages == 1 else node_spec(n).nic_gbps, resident_batches=n_stages)
+                  for n in s.nodes]
+        if phase == "prefill":  # every node prefills one token-weighted prompt within its budget
+            assert all(p.tokens_per_s * budget(n, s.layers) >= 1000 * w.prefill_seq_tokens
+                       for n, p in zip(s.nodes, points) if p.tokens_per_s > 0)
         pipeline_ms += max(p.stage_ms for p in points)
-        values = [p.tokens_per_s for p in points]
+        values = [p.tokens_per_s * share for p in points]
         stage_values.append(sum(values))
         assert s.shares == pytest.approx([v / sum(values) for v in values])
     assert pipeline_ms <= w.slo_ms
@@ -49,14 +63,17 @@ def test_pipeline_latency_and_throughput_rechecked_with_the_perf_model(model, ph
 
 def test_multi_stage_template_charges_activation_transfer():
     # Qwen3-235B does not fit one L40S:8 node: the pipeline needs stages, so T̂ is taken with a send rate.
-    t, tables, _ = best_for_nodes("qwen3-235b-a22b", "prefill", "2xL40S:8")
+    # An 8 s SLO: at the scenario's 1.8 s no stage prefills one token-weighted code prompt (3,950 tokens) in time.
+    t, tables, _ = best_for_nodes("qwen3-235b-a22b", "prefill", "2xL40S:8", slo_ms=8000)
     assert len(t.stages) == 2 and sorted(s.layers for s in t.stages) == [47, 47]
     w = tables.workload
-    perf = perf_for_prompt(w.prompt_tokens)
+    perf = perf_for_prompt(w.prefill_seq_tokens)
     m, node = get_model("qwen3-235b-a22b"), NodeConfig("L40S", 8)
-    with_send = perf.t_hat(m, node, "prefill", 47, w.slo_ms / 2, w.prompt_tokens, node_spec(node).nic_gbps)
-    without = perf.t_hat(m, node, "prefill", 47, w.slo_ms / 2, w.prompt_tokens, None)
-    assert t.tokens_per_s == pytest.approx(with_send.tokens_per_s)
+    budget = w.slo_ms * w.slo_margin / 2
+    with_send = perf.t_hat(m, node, "prefill", 47, budget, w.prompt_tokens, node_spec(node).nic_gbps,
+                           resident_batches=2)
+    without = perf.t_hat(m, node, "prefill", 47, budget, w.prompt_tokens, None, resident_batches=2)
+    assert t.tokens_per_s == pytest.approx(with_send.tokens_per_s * w.prefill_utilisation)
     assert with_send.tokens_per_s < without.tokens_per_s
 
 
@@ -77,7 +94,7 @@ class LinearPerf:
     def max_layers(self, model, node) -> int:
         return self.fits
 
-    def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None):
+    def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None, *, resident_batches=1):
         self.calls.append((str(node), phase, layers, budget_ms, send_gbps))
         per = layers * (self.a if phase == "prefill" else self.b)
         batch = int(budget_ms // per)
@@ -102,7 +119,8 @@ def test_aggregated_table_obeys_both_slos_and_cannot_beat_pure_phases():
     perf = LinearPerf()
     agg = build_tables(Workload("phi-4", "aggregated", 60, 1155, 211, 1200), nodes, 2, perf)
     dec = build_tables(Workload("phi-4", "decode", 60, 1155, 211, 1200), nodes, 2, perf)
-    pre = build_tables(Workload("phi-4", "prefill", 60, 1155, 211, 1200), nodes, 2, perf)
+    # prefill_seq_tokens=1: the raw rate within a slot, without the whole-prompt rule (aggregated chunks prompts).
+    pre = build_tables(Workload("phi-4", "prefill", 60, 1155, 211, 1200, prefill_seq_tokens=1), nodes, 2, perf)
     for s in (1, 2):
         slot = 60 / s
         for j in (1, 5, 20, 40):

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Mapping
 
 from coral_dagster.templates.types import Template
 
-SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share"]
+# "heuristic": a greedy baseline's plan (no optimality claim).
+SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic"]
 Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
+METHODS: tuple[str, ...] = ("coral", "homo", "homo-ilp", "cauchy", "helix")
+Scarcity = Literal["scale", "fair"]
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,45 @@ class PlannedInstance:
 
 
 @dataclass(frozen=True)
+class Bottleneck:
+    """What keeps demand from being met: a (model, phase) short on reachable capacity, or a saturated node.
+
+    kind `demand`: `name` is "model phase"; `needed` and `available` are tokens/s (demanded, reachable alone).
+    kind `node`: `name` is the node configuration in `region`; `needed` the nodes the cheapest full-demand plan
+    would use, `available` the nodes on offer.
+    """
+
+    kind: Literal["demand", "node"]
+    name: str
+    region: str
+    needed: float
+    available: float
+
+    @property
+    def shortfall(self) -> float:
+        return max(0.0, self.needed - self.available)
+
+    def describe(self) -> str:
+        if self.kind == "demand":
+            return (f"{self.name} needs {self.needed:,.0f} tokens/s, at most {self.available:,.0f} is reachable "
+                    f"with this availability")
+        return (f"{self.name} in {self.region}: {self.needed:,.1f} nodes needed, {self.available:,.0f} available "
+                f"(short {self.shortfall:,.1f})")
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "name": self.name, "region": self.region, "needed": self.needed,
+                "available": self.available, "shortfall": self.shortfall}
+
+
+@dataclass(frozen=True)
 class Plan:
-    """An allocation plan with the solver's evidence: status, cost, LP bound, gap and wall time."""
+    """An allocation plan with the solver's evidence: status, cost, LP bound, gap and wall time.
+
+    `cost_usd_per_hour` is what the instances cost; `churn_usd_per_hour` the penalty K·p of instances launched
+    against the running plan (0 for a fresh plan); the LP bound and `gap` refer to their sum, the objective.
+    `lp_bound_usd_per_hour` is the LP relaxation solved on its own; `mip_bound_usd_per_hour` the dual bound the
+    MIP solver proved (NaN for plans not made by the ILP).
+    """
 
     scenario: str
     method: Method
@@ -41,3 +82,67 @@ class Plan:
     served_tokens_per_s: dict[tuple[str, str], float]
     demand_scale: float = 1.0
     notes: tuple[str, ...] = field(default=())
+    churn_usd_per_hour: float = 0.0
+    mip_bound_usd_per_hour: float = math.nan
+    bottlenecks: tuple[Bottleneck, ...] = ()
+    pruning: Mapping[str, object] | None = None
+    snapshot_id: str = ""
+    timings_s: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def objective_usd_per_hour(self) -> float:
+        return self.cost_usd_per_hour + self.churn_usd_per_hour
+
+    def counts(self) -> dict[tuple[str, str], int]:
+        """Instances per (template_id, region): the ν' of the next re-plan."""
+        out: dict[tuple[str, str], int] = {}
+        for inst in self.instances:
+            key = (inst.template.template_id, inst.region)
+            out[key] = out.get(key, 0) + inst.count
+        return out
+
+    def served_fraction(self) -> dict[tuple[str, str], float]:
+        """Served over demanded tokens/s per (model, phase), 1.0 where nothing is demanded."""
+        return {k: (self.served_tokens_per_s.get(k, 0.0) / d if d > 0 else 1.0)
+                for k, d in self.demand_tokens_per_s.items()}
+
+    def nodes_used(self) -> dict[tuple[str, str], int]:
+        """Nodes per (region, node configuration) the plan holds."""
+        out: dict[tuple[str, str], int] = {}
+        for inst in self.instances:
+            for node, k in inst.template.nodes.counts:
+                key = (inst.region, str(node))
+                out[key] = out.get(key, 0) + k * inst.count
+        return out
+
+    def as_dict(self) -> dict:
+        """The JSON shape `coral plan --json` prints; an instance's `tokens_per_s` and `usd_per_hour` are for
+        all `count` instances, `template_tokens_per_s` and `instance_usd_per_hour` for one."""
+        return {
+            "scenario": self.scenario, "method": self.method, "status": self.status,
+            "cost_usd_per_hour": self.cost_usd_per_hour, "churn_usd_per_hour": self.churn_usd_per_hour,
+            "lp_bound_usd_per_hour": _finite(self.lp_bound_usd_per_hour),
+            "mip_bound_usd_per_hour": _finite(self.mip_bound_usd_per_hour),
+            "gap": _finite(self.gap), "solve_s": self.solve_s, "demand_scale": self.demand_scale,
+            "snapshot_id": self.snapshot_id,
+            "instances": [
+                {"model": i.template.model, "phase": i.template.phase, "region": i.region,
+                 "nodes": str(i.template.nodes), "count": i.count, "tokens_per_s": i.tokens_per_s,
+                 "usd_per_hour": i.usd_per_hour * i.count, "template_tokens_per_s": i.template.tokens_per_s,
+                 "instance_usd_per_hour": i.usd_per_hour, "template_id": i.template.template_id,
+                 "slo_ms": i.template.slo_ms, "bound": i.template.bound, "pp_partition": i.template.pp_partition,
+                 "stages": [{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes],
+                             "shares": list(s.shares)} for s in i.template.stages]}
+                for i in self.instances],
+            "served": {f"{m}/{p}": {"demand_tokens_per_s": d, "served_tokens_per_s":
+                                    self.served_tokens_per_s.get((m, p), 0.0)}
+                       for (m, p), d in sorted(self.demand_tokens_per_s.items())},
+            "bottlenecks": [b.as_dict() for b in self.bottlenecks],
+            "pruning": dict(self.pruning) if self.pruning else None,
+            "timings_s": dict(self.timings_s),
+            "notes": list(self.notes),
+        }
+
+
+def _finite(x: float) -> float | None:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

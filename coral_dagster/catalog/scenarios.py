@@ -19,13 +19,17 @@ TRACES = ("azure-conv", "azure-code")
 
 @dataclass(frozen=True)
 class ScenarioModel:
-    """One model of a scenario with its SLOs, request-length trace and arrival rate."""
+    """One model of a scenario with its SLOs, request-length trace and arrival rate, and the scenario's planning
+    margins for its templates (`templates.throughput`: share of each stage's SLO budget a step is planned at,
+    busy share of a prefill node at the planned rate)."""
 
     model: str
     prefill_slo_ms: float
     decode_slo_ms: float
     trace: str
     rate_req_s: float
+    slo_margin: float = 1.0
+    prefill_utilisation: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ def _parse(path: Path) -> Scenario:
             raise CatalogError(path, "regions", "regions", f"region {r!r} is not cloud:region on aws or gcp",
                                "write regions like aws:us-east-2 or gcp:us-central1")
     catalog = model_catalog()
+    tpl = doc.get("templates") or {}
+    margins = {k: float(field(tpl, k, (int, float), path, "templates", default=1.0))
+               for k in ("slo_margin", "prefill_utilisation")}
+    for k, v in margins.items():
+        if not 0 < v <= 1:
+            raise CatalogError(path, "templates", k, f"{v:g} is not in (0, 1]", f"give {k} between 0 and 1")
     models = []
     rows = rows_of(doc, "models", path)
     for i, r in enumerate(rows):
@@ -130,7 +140,7 @@ def _parse(path: Path) -> Scenario:
             raise CatalogError(path, i, "trace", f"unknown trace {trace!r}", f"use one of {', '.join(TRACES)}")
         models.append(ScenarioModel(alias, field(r, "prefill_slo_ms", float, path, i, positive=True),
                                     field(r, "decode_slo_ms", float, path, i, positive=True), trace,
-                                    field(r, "rate_req_s", float, path, i, positive=True)))
+                                    field(r, "rate_req_s", float, path, i, positive=True), **margins))
     check_unique([m.model for m in models], path, "model")
     avail = doc.get("availability") or {}
     overrides = []
@@ -143,7 +153,6 @@ def _parse(path: Path) -> Scenario:
                 raise CatalogError(path, "availability", f"{region}/{node}", f"{k!r} is not a node count",
                                    "give a non-negative integer")
             overrides.append((region, NodeConfig.parse(node), k))
-    tpl = doc.get("templates") or {}
     alloc = doc.get("allocation") or {}
     link = doc.get("link_gbps")
     return Scenario(

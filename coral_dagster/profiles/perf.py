@@ -228,7 +228,8 @@ class PerfModel:
     # ---- T̂ ----
 
     def t_hat(self, model: ModelSpec | str, node: NodeConfig | str, phase: Phase, layers: int, budget_ms: float,
-              context_tokens: int = 0, send_gbps: float | None = None) -> ThroughputPoint:
+              context_tokens: int = 0, send_gbps: float | None = None, *,
+              resident_batches: int = 1) -> ThroughputPoint:
         """T̂: the most tokens/s `node` reaches holding `layers` layers within a per-stage budget of `budget_ms`.
 
         Prefill: batches of B prompt tokens (prompts of `prefill_seq_tokens`); decode: b sequences at
@@ -238,12 +239,18 @@ class PerfModel:
         largest feasible one whenever the per-token cost falls with batch size, which it does on every shipped
         curve but for measurement jitter). tokens_per_s is 0 exactly when the weights do not fit (`memory`) or no
         batch meets the budget (`slo`). Non-increasing in `layers`, non-decreasing in `budget_ms`; cached.
+
+        `resident_batches`: micro-batches whose KV cache the node holds at once; a pipeline of S stages keeps S
+        in flight, so its nodes need room for S batches (1, the default, checks one batch).
         """
+        if resident_batches < 1:
+            raise CoralError(f"T̂ asked for {resident_batches} resident micro-batches.", "ask for 1 or more.")
         return self._t_hat_cached(model, node, phase, int(layers), float(budget_ms), int(context_tokens),
-                                  None if send_gbps is None else float(send_gbps))
+                                  None if send_gbps is None else float(send_gbps), int(resident_batches))
 
     def _t_hat(self, model: ModelSpec | str, node: NodeConfig | str, phase: Phase, layers: int,
-               budget_ms: float, context_tokens: int, send_gbps: float | None) -> ThroughputPoint:
+               budget_ms: float, context_tokens: int, send_gbps: float | None,
+               resident_batches: int = 1) -> ThroughputPoint:
         m, n = _model(model), _node(node)
         if layers < 1:
             raise CoralError(f"T̂ asked for {layers} layers.", "ask for 1 or more layers.")
@@ -262,7 +269,7 @@ class PerfModel:
             ctx = max(int(context_tokens), 1)
             curve = self.curve(m, n, "decode", ctx)
             kv_per_unit = layers * m.kv_bytes_per_layer(ctx) * rep
-        capacity = int(free // kv_per_unit)
+        capacity = int(free // (kv_per_unit * resident_batches))
         if capacity < 1:
             return ThroughputPoint(0.0, 0, 0.0, "memory")
         within = curve.largest_within(layers, per_unit_ms, budget_ms)

@@ -260,13 +260,14 @@ def _solve_ilp_s(nodes: list[int], tab: np.ndarray, n_layers: int, s: int, time_
     with _stdout_to_stderr():
         status = prob.solve(solver)
     optimal = pulp.LpStatus[status] == "Optimal"
-    if x[0, 1].varValue is None:
+    chosen = [[j for j in js if (x[a, j].varValue or 0) > 0.5] for a in stages]
+    if any(len(c) != 1 for c in chosen):  # no incumbent (e.g. the time limit came first)
         return None, optimal, prob.numVariables(), prob.numConstraints()
     groups = [[0] * int(tab.shape[0]) for _ in stages]
     for (a, k), v in y.items():
         if v.varValue is not None and v.varValue > 0.5:
             groups[a][nodes[k]] += 1
-    layers = tuple(next(j for j in js if x[a, j].varValue > 0.5) for a in stages)
+    layers = tuple(c[0] for c in chosen)
     # The value is recomputed from the integral solution so it compares exactly with the other methods.
     value = min(float(np.dot(g, tab[:, j - 1])) for g, j in zip(groups, layers))
     placement = Placement(s, tuple(tuple(g) for g in groups), layers, value, optimal)

@@ -7,8 +7,28 @@ every stage of a multi-stage pipeline the transfer (the last one hands its outpu
 depends only on (configuration, j, S) and not on the stage's position: the optimizer is exact for this rule, and
 the stage times of any placement sum to at most S · ℓ/S = ℓ.
 
-Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of the trace's mean length. `decode`: output
-tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
+Planning under load (the knobs of `Workload`, read from the scenario's `templates:` section). A T̂ that fills
+the whole budget holds the SLO only at an empty queue; the planned throughput is what a node sustains within the
+SLO under load, so:
+- every stage step is planned within `slo_margin` × ℓ/S (room for the batch to grow with arrival jitter);
+- a node of an S-stage pipeline holds the KV cache of S micro-batches in flight;
+- prefill batches are made of prompts of the trace's token-weighted mean length E[P²]/E[P] (the prompt a prefill
+  token belongs to on average, which sets the attention cost per token), and a node must prefill one such whole
+  prompt within its stage budget at its T̂ rate (else T̂ = 0, `slo`: it would overrun on long prompts at any load);
+- prefill T̂ is scaled by `prefill_utilisation`, the busy share of a prefill node at the planned rate, so
+  heavy-tailed prompts (an M/G/1 queue) wait within the TTFT SLO;
+- as vLLM refuses to start when its KV cache cannot hold one sequence of `max_model_len`, a node whose KV cache
+  cannot hold the trace's longest request (`max_context_tokens`) gets no layers (`memory`).
+The defaults (1.0, the mean prompt, no longest request, no short output) keep the paper's rule.
+
+Decode hand-off. A decode request first receives its prompt's KV cache over the decode node's NIC (min with
+`link_gbps`; h_j ms for j layers of a mean prompt) and waits up to one pipeline cycle c = S · step to join a
+micro-batch; its TPOT spreads that over its D − 1 later tokens. For a short request of D_s =
+`short_output_tokens` (the trace's 5th percentile, so 95% of requests are longer) to keep c + (h_j + c)/(D_s − 1)
+within `slo_margin` × ℓ, each stage step is planned within (slo_margin · ℓ · (D_s − 1) − h_j) / (D_s · S).
+
+Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.prefill_seq_tokens`.
+`decode`: output tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
 `aggregated` (one instance serves whole requests): each stage iteration is a slot of ℓ_d/S (ℓ_d = decode
 per-token SLO) split into a prefill chunk within β·ℓ_d/S and a decode step within (1-β)·ℓ_d/S. A slot admits C
 prompt tokens (the prefill batch) and emits B output tokens (the decode batch); requests of P prompt and D output
@@ -33,8 +53,6 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.templates.types import PHASES, Phase
 
-#: Mean prompt and output tokens of the bundled traces (shared/data/README.md: Azure LLM inference trace 2023).
-TRACE_MEAN_TOKENS: dict[str, tuple[int, int]] = {"azure-conv": (1155, 211), "azure-code": (2048, 28)}
 #: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
 AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -49,13 +67,20 @@ class ThroughputPointLike(Protocol):
 class PerfLike(Protocol):
     """What the optimizer needs of the performance model (`coral_dagster.profiles.perf.PerfModel`)."""
 
-    def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None) -> ThroughputPointLike:
+    def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None, *,
+              resident_batches=1) -> ThroughputPointLike:
         ...
 
 
 @dataclass(frozen=True)
 class Workload:
-    """What one (model, phase, SLO) asks of a node: the latency budget, request lengths and network cap."""
+    """What one (model, phase, SLO) asks of a node: the latency budget, request lengths and network cap.
+
+    `prefill_seq_tokens`: prompt length prefill batches are made of (0: `prompt_tokens`); `slo_margin`: share
+    of each stage's budget ℓ/S a step is planned at; `prefill_utilisation`: share of prefill T̂ planned on;
+    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check);
+    `short_output_tokens`: output length of a short request whose TPOT absorbs the decode hand-off (0: none).
+    """
 
     model: str
     phase: Phase
@@ -64,6 +89,11 @@ class Workload:
     output_tokens: int
     prefill_slo_ms: float
     link_gbps: float | None = None
+    prefill_seq_tokens: int = 0
+    slo_margin: float = 1.0
+    prefill_utilisation: float = 1.0
+    max_context_tokens: int = 0
+    short_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -74,6 +104,12 @@ class Workload:
             raise CoralError(
                 f"request lengths {self.prompt_tokens}/{self.output_tokens} tokens.", "give at least 1 token each."
             )
+        for name in ("slo_margin", "prefill_utilisation"):
+            value = getattr(self, name)
+            if not 0 < value <= 1:
+                raise CoralError(f"{name} of {value:g} for {self.model}.", f"give a {name} in (0, 1].")
+        if not self.prefill_seq_tokens:
+            object.__setattr__(self, "prefill_seq_tokens", self.prompt_tokens)
 
     @property
     def decode_context_tokens(self) -> int:
@@ -81,11 +117,43 @@ class Workload:
         return self.prompt_tokens + self.output_tokens // 2
 
 
+@lru_cache(maxsize=None)
 def trace_mean_tokens(trace: str) -> tuple[int, int]:
-    """(mean prompt tokens, mean output tokens) of a bundled trace."""
-    if trace not in TRACE_MEAN_TOKENS:
-        raise UnknownNameError("trace", trace, list(TRACE_MEAN_TOKENS))
-    return TRACE_MEAN_TOKENS[trace]
+    """(mean prompt tokens, mean output tokens) of a bundled trace, rounded."""
+    from coral_dagster.simulator.traces import trace_means
+
+    prompt, output = trace_means(trace)
+    return round(prompt), round(output)
+
+
+#: Share of requests allowed shorter outputs than the one the decode hand-off is planned for.
+SHORT_OUTPUT_QUANTILE = 0.05
+
+
+@lru_cache(maxsize=None)
+def short_output_tokens(trace: str) -> int:
+    """Output tokens of a bundled trace at `SHORT_OUTPUT_QUANTILE` (at least 2)."""
+    from coral_dagster.simulator.traces import load_trace
+
+    return max(2, int(load_trace(trace).output_tokens.quantile(SHORT_OUTPUT_QUANTILE)))
+
+
+@lru_cache(maxsize=None)
+def longest_request_tokens(trace: str) -> int:
+    """Prompt plus output tokens of a bundled trace's longest request."""
+    from coral_dagster.simulator.traces import load_trace
+
+    df = load_trace(trace)
+    return int((df.prompt_tokens + df.output_tokens).max())
+
+
+@lru_cache(maxsize=None)
+def token_weighted_prompt_tokens(trace: str) -> int:
+    """E[P²]/E[P] of a bundled trace's prompts: the mean length of the prompt a prefilled token belongs to."""
+    from coral_dagster.simulator.traces import load_trace
+
+    prompt = load_trace(trace).prompt_tokens.to_numpy(dtype=np.float64)
+    return round(float((prompt * prompt).sum() / prompt.sum()))
 
 
 def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
@@ -95,7 +163,12 @@ def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
     prompt, output = trace_mean_tokens(scenario_model.trace)
     default = scenario_model.prefill_slo_ms if phase == "prefill" else scenario_model.decode_slo_ms
     return Workload(scenario_model.model, phase, float(slo_ms if slo_ms is not None else default), prompt, output,
-                    float(scenario_model.prefill_slo_ms), link_gbps)
+                    float(scenario_model.prefill_slo_ms), link_gbps,
+                    prefill_seq_tokens=token_weighted_prompt_tokens(scenario_model.trace),
+                    slo_margin=float(getattr(scenario_model, "slo_margin", 1.0)),
+                    prefill_utilisation=float(getattr(scenario_model, "prefill_utilisation", 1.0)),
+                    max_context_tokens=longest_request_tokens(scenario_model.trace),
+                    short_output_tokens=short_output_tokens(scenario_model.trace))
 
 
 @lru_cache(maxsize=8)
@@ -135,7 +208,8 @@ class ThroughputTables:
         object.__setattr__(self, "_index", {c: i for i, c in enumerate(self.configs)})
 
     def budget_ms(self, n_stages: int) -> float:
-        return self.workload.slo_ms / n_stages
+        """The time one stage step of an `n_stages` pipeline is planned within."""
+        return self.workload.slo_ms * self.workload.slo_margin / n_stages
 
     def index(self, node: NodeConfig) -> int:
         i = self._index.get(node)  # type: ignore[attr-defined]
@@ -174,11 +248,13 @@ def send_gbps(node: NodeConfig, n_stages: int, link_gbps: float | None) -> float
 
 def _aggregated_point(perf: PerfLike, model, node: NodeConfig, w: Workload, layers: int, n_stages: int,
                       send: float | None) -> Point:
-    slot_ms = w.slo_ms / n_stages
+    slot_ms = w.slo_ms * w.slo_margin / n_stages
     best = ZERO_SLO
     for beta in AGGREGATED_PREFILL_FRACTIONS:
-        pre = perf.t_hat(model, node, "prefill", layers, beta * slot_ms, w.prompt_tokens, send)
-        dec = perf.t_hat(model, node, "decode", layers, (1 - beta) * slot_ms, w.decode_context_tokens, send)
+        pre = perf.t_hat(model, node, "prefill", layers, beta * slot_ms, w.prompt_tokens, send,
+                         resident_batches=n_stages)
+        dec = perf.t_hat(model, node, "decode", layers, (1 - beta) * slot_ms, w.decode_context_tokens, send,
+                         resident_batches=n_stages)
         if pre.tokens_per_s <= 0 or dec.tokens_per_s <= 0:
             continue
         chunks = math.ceil(w.prompt_tokens / pre.batch)
@@ -191,7 +267,8 @@ def _aggregated_point(perf: PerfLike, model, node: NodeConfig, w: Workload, laye
             best = Point(tokens_per_s, int(min(via_prefill, dec.batch)), pre.stage_ms + dec.stage_ms, bound)
     if best is ZERO_SLO:
         # Say why it is zero: memory when the weights cannot sit on the node at all.
-        dec = perf.t_hat(model, node, "decode", layers, slot_ms, w.decode_context_tokens, send)
+        dec = perf.t_hat(model, node, "decode", layers, slot_ms, w.decode_context_tokens, send,
+                         resident_batches=n_stages)
         return Point(0.0, 0, 0.0, dec.bound if dec.tokens_per_s <= 0 else "slo")
     return best
 
@@ -202,12 +279,12 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
     from coral_dagster.catalog.models import get_model
 
     spec = model_spec or get_model(workload.model)
-    perf = perf or perf_for_prompt(workload.prompt_tokens)
+    perf = perf or perf_for_prompt(workload.prefill_seq_tokens)
     n_layers = spec.n_layers
-    max_layers = {c: _max_layers(perf, spec, c, n_layers) for c in configs}
+    max_layers = {c: _max_layers(perf, spec, c, n_layers, workload.max_context_tokens) for c in configs}
     tokens, points = {}, {}
     for s in range(1, max_stages + 1):
-        budget = workload.slo_ms / s
+        budget = workload.slo_ms * workload.slo_margin / s
         rows = []
         for c in configs:
             send = send_gbps(c, s, workload.link_gbps)
@@ -219,15 +296,43 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
                     row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
                 else:
                     ctx = workload.prompt_tokens if workload.phase == "prefill" else workload.decode_context_tokens
-                    p = perf.t_hat(spec, c, workload.phase, j, budget, ctx, send)
-                    row.append(Point(float(p.tokens_per_s), int(p.batch), float(p.stage_ms), str(p.bound)))
+                    step = _decode_step_budget(workload, spec, c, j, s) if workload.phase == "decode" else budget
+                    if step <= 0:
+                        row.append(Point(0.0, 0, 0.0, "network"))
+                        continue
+                    p = perf.t_hat(spec, c, workload.phase, j, step, ctx, send, resident_batches=s)
+                    share = workload.prefill_utilisation if workload.phase == "prefill" else 1.0
+                    if workload.phase == "prefill" and p.tokens_per_s * budget < 1000.0 * workload.prefill_seq_tokens:
+                        row.append(Point(0.0, 0, 0.0, "slo"))
+                        continue
+                    row.append(Point(float(p.tokens_per_s) * share, int(p.batch), float(p.stage_ms), str(p.bound)))
             rows.append(tuple(row))
         points[s] = tuple(rows)
         tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
     return ThroughputTables(workload, tuple(configs), n_layers, tokens, points)
 
 
-def _max_layers(perf, spec, node: NodeConfig, n_layers: int) -> int:
-    """Layers that can fit at all; a perf model without `max_layers` is asked per layer count instead."""
+def _decode_step_budget(w: Workload, spec, node: NodeConfig, layers: int, n_stages: int) -> float:
+    """A decode stage step's budget with the KV hand-off and join wait of a short request (module docstring)."""
+    budget = w.slo_ms * w.slo_margin / n_stages
+    if not w.short_output_tokens:
+        return budget
+    nic = node_spec(node).nic_gbps
+    gbps = nic if w.link_gbps is None else min(nic, float(w.link_gbps))
+    handoff_ms = layers * spec.kv_bytes_per_layer(w.prompt_tokens) * 8 / (gbps * 1e9) * 1e3
+    d = w.short_output_tokens
+    return (w.slo_ms * w.slo_margin * (d - 1) - handoff_ms) / (d * n_stages)
+
+
+def _max_layers(perf, spec, node: NodeConfig, n_layers: int, min_kv_tokens: int = 0) -> int:
+    """Layers that fit with KV room for `min_kv_tokens`; a perf model without `max_layers` is asked per layer
+    count instead, and one without `kv_capacity_tokens` is not asked about KV room."""
     fn: Callable | None = getattr(perf, "max_layers", None)
-    return min(int(fn(spec, node)), n_layers) if fn is not None else n_layers
+    most = min(int(fn(spec, node)), n_layers) if fn is not None else n_layers
+    kv: Callable | None = getattr(perf, "kv_capacity_tokens", None)
+    if min_kv_tokens and kv is not None:
+        # KV capacity falls as layers grow (more weights, more KV per token): the first misfit ends the range.
+        for j in range(1, most + 1):
+            if kv(spec, node, j) < min_kv_tokens:
+                return j - 1
+    return most

@@ -1,0 +1,41 @@
+"""Allocation benchmark: Coral, Homo-ILP, Homo and Cauchy on the same inputs, and Helix on its cluster.
+
+Writes bench/results/allocation.json and prints the tables (see coral_dagster/allocation/experiments.py for the
+settings). Usage: python bench/allocation.py [--scenarios core,extended] [--settings ...] [--no-helix]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
+from coral_dagster.allocation.scenario_plans import library_templates
+from coral_dagster.cli.plan import print_bench
+
+OUT = Path(__file__).resolve().parent / "results" / "allocation.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--scenarios", default="core,extended")
+    ap.add_argument("--settings", default="default,imbalanced,scarcity,replan")
+    ap.add_argument("--no-helix", action="store_true")
+    ap.add_argument("--helix-slo-ms", default=None, help="prefill,decode SLO override for the Helix comparison")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    slo = tuple(float(x) for x in args.helix_slo_ms.split(",")) if args.helix_slo_ms else None
+    config = BenchConfig(scenarios=tuple(args.scenarios.split(",")), settings=tuple(args.settings.split(",")),
+                         helix=not args.no_helix, helix_slo_ms=slo)
+    doc = run_allocation_bench(library_templates, config, progress=lambda it, desc: tqdm(list(it), desc=desc))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(doc, indent=2, default=str))
+    print_bench(doc)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

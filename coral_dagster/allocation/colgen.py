@@ -1,0 +1,336 @@
+"""Exact speed-ups of the allocation ILP: decomposition, the LP by column generation, reduced-cost fixing.
+
+Decomposition. Demand keys are tied together only by availability (C1) and by aggregated templates (which serve
+both phases of a model). Writing C1 once per group of tied keys (each group may use all of the availability)
+relaxes the ILP into independent problems; when their optima together fit availability, they are optimal for the
+whole ILP. Otherwise the whole ILP is solved the same way with C1 as it is.
+
+Column generation. The LP relaxation is solved over a few columns at a time: the restricted LP's duals price
+every column in NumPy (reduced cost d_j = c_j − Σ_i a_ij π_i) and the most negative ones join, until none is
+negative; the restricted optimum is then the LP optimum z_LP.
+
+Reduced-cost fixing. For any feasible plan ν, cost(ν) ≥ z_LP + Σ_j d_j ν_j (d_j ≥ 0 for columns at their lower
+bound), so once a plan of cost z is known no column with d_j > z − z_LP is in a cheaper one. A first plan comes
+from the ILP over the columns the LP touched; the ILP is then solved over every column with d_j ≤ z − z_LP, and
+its optimum is optimal for all columns. In the decomposed problem this holds per group, with each group's own
+z_g − z_LP,g, which keeps far fewer columns than the sum of the gaps would.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+from scipy import sparse
+
+from coral_dagster.allocation import ilp
+from coral_dagster.allocation.problem import AllocationProblem, DemandKey
+from coral_dagster.allocation.prune import PHASE_CODE, Column, prepare
+from coral_dagster.errors import CoralError
+
+INITIAL_PER_KEY = 24
+ADD_PER_ROUND = 200
+FALLBACK_THETA = 0.02
+TOL = 1e-9
+# Up to this many columns the LP and the ILP are solved directly: the detour costs more than it saves.
+DIRECT_MAX = 300
+
+
+@dataclass(frozen=True)
+class MinCostSolve:
+    """The ILP answer over all columns plus the LP relaxation and what the speed-ups did."""
+
+    result: ilp.SolveResult
+    lp_status: str
+    lp_objective: float
+    lp_columns: int
+    lp_rounds: int
+    ilp_columns: int
+    theta: float
+    groups: int = 1
+    decomposed: bool = False
+
+
+def _infeasible(status: str, n: int, rounds: int = 1, groups: int = 1) -> MinCostSolve:
+    return MinCostSolve(ilp.SolveResult("infeasible", (), math.nan, math.nan, 0.0), status, math.nan, n, rounds, 0,
+                        math.inf, groups)
+
+
+@dataclass(frozen=True)
+class _Data:
+    """The columns as arrays: node counts per configuration, region, model, phase, throughput and price."""
+
+    use: np.ndarray
+    configs: tuple
+    region_idx: np.ndarray
+    regions: tuple[str, ...]
+    model_idx: np.ndarray
+    models: tuple[str, ...]
+    phase_code: np.ndarray
+    tokens_per_s: np.ndarray
+    price: np.ndarray
+    running: np.ndarray
+
+
+def _data(problem: AllocationProblem, columns: Sequence[Column]) -> _Data:
+    regions = tuple(sorted({c.region for c in columns}))
+    reg = {r: i for i, r in enumerate(regions)}
+    region_idx = np.array([reg[c.region] for c in columns], dtype=np.int64)
+    price = np.array([c.usd_per_hour for c in columns], dtype=np.float64)
+    running = np.array([c.running for c in columns], dtype=np.float64)
+    if all(c.row >= 0 for c in columns):
+        lib = prepare(problem.templates)
+        rows = np.array([c.row for c in columns], dtype=np.int64)
+        return _Data(lib.use[rows], lib.configs, region_idx, regions, lib.model_idx[rows], lib.models,
+                     lib.phase_code[rows], lib.tokens_per_s[rows], price, running)
+    configs = tuple(sorted({n for c in columns for n, _ in c.template.nodes.counts}))
+    col = {n: i for i, n in enumerate(configs)}
+    use = np.zeros((len(columns), len(configs)), dtype=np.int64)
+    for j, c in enumerate(columns):
+        for n, k in c.template.nodes.counts:
+            use[j, col[n]] = k
+    models = tuple(sorted({c.template.model for c in columns}))
+    midx = {m: i for i, m in enumerate(models)}
+    return _Data(use, configs, region_idx, regions, np.array([midx[c.template.model] for c in columns], dtype=np.int64),
+                 models, np.array([PHASE_CODE[c.template.phase] for c in columns], dtype=np.int64),
+                 np.array([c.template.tokens_per_s for c in columns], dtype=np.float64), price, running)
+
+
+def _demand_matrix(problem: AllocationProblem, d: _Data) -> tuple[list[DemandKey], sparse.csr_matrix]:
+    """C2 over the columns, rows divided by D_m; an aggregated column serves both phases of its model (output
+    tokens to decode, the trace's prompt tokens per output token to prefill)."""
+    keys = [key for key, dm in sorted(problem.demand_tokens_per_s.items()) if dm > 0]
+    n = len(d.price)
+    row = np.full((len(d.models), 2), -1, dtype=np.int64)
+    demand = np.ones((len(d.models), 2))
+    for i, (model, phase) in enumerate(keys):
+        if model in d.models:
+            m = d.models.index(model)
+            row[m, PHASE_CODE[phase]] = i
+            demand[m, PHASE_CODE[phase]] = problem.demand_tokens_per_s[(model, phase)]
+    agg = d.phase_code == PHASE_CODE["aggregated"]
+    ratio = np.zeros(n)
+    for m in np.unique(d.model_idx[agg]) if n else ():
+        model = d.models[int(m)]
+        if model not in problem.prompt_per_output:
+            raise CoralError(f"no prompt/output ratio for aggregated templates of {model}.",
+                             "give prompt_per_output for every model with aggregated templates.")
+        ratio[agg & (d.model_idx == m)] = problem.prompt_per_output[model]
+    rr, cc, vv = [], [], []
+    cols = np.arange(n)
+    for phase in (0, 1):
+        target_row = row[d.model_idx, phase] if n else np.zeros(0, dtype=np.int64)
+        for mask, factor in ((d.phase_code == phase, np.ones(n)), (agg, ratio if phase == 0 else np.ones(n))):
+            ok = mask & (target_row >= 0)
+            rr.append(target_row[ok])
+            cc.append(cols[ok])
+            vv.append(d.tokens_per_s[ok] * factor[ok] / demand[d.model_idx[ok], phase])
+    return keys, sparse.csr_matrix((np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))),
+                                   shape=(len(keys), n))
+
+
+def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], sparse.csr_matrix]:
+    """C1 over the columns with its row keys: (region, node), or (group, region, node) when split."""
+    n = len(d.price)
+    groups = np.asarray(split if split is not None else np.zeros(n), dtype=np.int64)
+    col_j, cfg = np.nonzero(d.use)
+    n_cfg, n_reg = max(1, len(d.configs)), max(1, len(d.regions))
+    flat = (groups[col_j] * n_reg + d.region_idx[col_j]) * n_cfg + cfg
+    uniq, row_of = np.unique(flat, return_inverse=True)
+    names = []
+    for u in uniq:
+        g, rest = divmod(int(u), n_reg * n_cfg)
+        r, c = divmod(rest, n_cfg)
+        names.append((d.regions[r], d.configs[c]) if split is None else (g, d.regions[r], d.configs[c]))
+    return names, sparse.csr_matrix((d.use[col_j, cfg].astype(float), (row_of, col_j)), shape=(len(uniq), n))
+
+
+def group_labels(a_dem: sparse.csr_matrix) -> np.ndarray:
+    """Per column, its group of demand keys (keys tied by a column serving several of them); -1 for none."""
+    n_keys, n = a_dem.shape
+    parent = list(range(n_keys))
+
+    def find(k: int) -> int:
+        while parent[k] != k:
+            parent[k] = parent[parent[k]]
+            k = parent[k]
+        return k
+
+    csc = a_dem.tocsc()
+    nnz = np.diff(csc.indptr)
+    for j in np.nonzero(nnz > 1)[0]:
+        rows = csc.indices[csc.indptr[j]:csc.indptr[j + 1]]
+        for r in rows[1:]:
+            parent[find(int(r))] = find(int(rows[0]))
+    roots = sorted({find(k) for k in range(n_keys)})
+    label_of_key = np.array([roots.index(find(k)) for k in range(n_keys)], dtype=np.int64)
+    labels = np.full(n, -1, dtype=np.int64)
+    has = nnz > 0
+    labels[has] = label_of_key[csc.indices[csc.indptr[:-1][has]]]
+    return labels
+
+
+def _objective_per_column(problem: AllocationProblem, d: _Data, values: np.ndarray) -> np.ndarray:
+    """Each column's share of the objective: its cost plus the churn penalty its count implies."""
+    k = ilp.churn_factor(problem)
+    return d.price * values + k * d.price * np.maximum(0.0, values - d.running)
+
+
+def _fits(problem: AllocationProblem, d: _Data, values: np.ndarray) -> bool:
+    """Whether the counts stay within availability (C1 as it is, not split)."""
+    names, a_avail = _avail_matrix(d, None)
+    held = a_avail @ values
+    return all(h <= problem.available_nodes.get(name, 0) + 1e-7 for name, h in zip(names, held))
+
+
+def _lp(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
+        split: Sequence[int] | None):
+    """The LP relaxation by column generation: (result over `subset`, subset, reduced costs or None, rounds)."""
+    n = len(columns)
+    keys, a_dem = _demand_matrix(problem, d)
+    names, a_avail = _avail_matrix(d, split)
+    k = ilp.churn_factor(problem)
+    cost = d.price * np.where(d.running > 0, 1.0, 1.0 + k)
+    chosen = {int(j) for j in np.nonzero(d.running > 0)[0]}
+    per_key = []
+    for i in range(len(keys)):
+        row = a_dem.getrow(i)
+        eff = row.data / np.maximum(cost[row.indices], TOL)
+        chosen.update(int(j) for j in row.indices[np.argsort(-eff, kind="stable")[:INITIAL_PER_KEY]])
+        per_key.append(float(np.max(cost[row.indices] / row.data)) if row.nnz else 1.0)
+    # Unmet demand is priced far above serving it with the dearest column, so it is used only when needed.
+    slack_usd = 100.0 * (sum(per_key) + 1.0)
+    rounds = 0
+    while True:
+        rounds += 1
+        subset = sorted(chosen)
+        lp = ilp.min_cost(problem, [columns[j] for j in subset], targets, integer=False,
+                          time_limit_s=max(1.0, deadline - time.perf_counter()), slack_usd=slack_usd,
+                          split=split[subset].tolist() if split is not None else None)
+        if lp.status != "optimal":
+            return lp, subset, None, rounds
+        pi_a = np.array([lp.row_duals.get(("avail",) + name, 0.0) for name in names])
+        pi_d = np.array([lp.row_duals.get(("demand",) + key, 0.0) for key in keys])
+        reduced = cost - a_avail.T @ pi_a - a_dem.T @ pi_d
+        pricing = reduced.copy()
+        pricing[subset] = np.inf
+        scale = max(1.0, abs(lp.objective))
+        entering = [int(j) for j in np.argsort(pricing, kind="stable")[:ADD_PER_ROUND] if pricing[j] < -TOL * scale]
+        if not entering:
+            break
+        chosen.update(entering)
+    if any(v > 1e-9 for v in (lp.overflow or {}).values()):
+        # The elastic restricted LP could not meet demand: decide on the full LP, no shortcuts.
+        full = ilp.min_cost(problem, columns, targets, integer=False,
+                            time_limit_s=max(1.0, deadline - time.perf_counter()),
+                            split=split.tolist() if split is not None else None)
+        return full, list(range(n)), None, rounds
+    return lp, subset, reduced, rounds
+
+
+def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
+                   targets: Mapping[DemandKey, float] | None = None, *, time_limit_s: float = 30.0,
+                   gap_rel: float = 1e-4) -> MinCostSolve:
+    """`ilp.min_cost` over all columns, exactly, touching few of them (see the module docstring)."""
+    deadline = time.perf_counter() + time_limit_s
+    n = len(columns)
+    if n <= DIRECT_MAX:
+        lp = ilp.min_cost(problem, columns, targets, integer=False, time_limit_s=time_limit_s)
+        if lp.status != "optimal":
+            return _infeasible(lp.status, n)
+        mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
+                           gap_rel=gap_rel)
+        return MinCostSolve(mip, "optimal", lp.objective, n, 1, n, math.inf)
+    d = _data(problem, columns)
+    labels = group_labels(_demand_matrix(problem, d)[1])
+    n_groups = len(set(labels.tolist()))
+    done = _solve(problem, columns, d, targets, deadline, gap_rel, labels, n_groups)
+    if done is not None:
+        return done
+    return _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups)
+
+
+def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
+           gap_rel: float, split: np.ndarray | None, n_groups: int) -> MinCostSolve | None:
+    """LP, a first plan, reduced-cost fixing, the ILP. With `split` (decomposed), None when the group optima do
+    not fit availability together."""
+    n = len(columns)
+    labels = np.maximum(split, 0) if split is not None else np.zeros(n, dtype=np.int64)
+    n_labels = int(labels.max()) + 1 if n else 1
+    lp, subset, reduced, rounds = _lp(problem, columns, d, targets, deadline, split)
+    if lp.status != "optimal":
+        # The decomposed LP relaxes the whole one: infeasible there means infeasible here.
+        return _infeasible(lp.status, len(subset), rounds, n_groups)
+    lp_values = np.zeros(n)
+    lp_values[subset] = lp.values
+    z_lp_group = np.bincount(labels, _objective_per_column(problem, d, lp_values), minlength=n_labels)
+    z_lp = float(lp.objective)
+    if reduced is None:  # settled on the full LP: no reduced costs to fix by
+        mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
+                           gap_rel=gap_rel, split=split.tolist() if split is not None else None)
+        return _finish(problem, columns, d, mip, list(range(n)), z_lp, lp_values, n, rounds, math.inf, split,
+                       n_groups, targets, deadline)
+    running = {int(j) for j in np.nonzero(d.running > 0)[0]}
+    first = sorted(set(subset) | running)
+    seed = ilp.min_cost(problem, [columns[j] for j in first], targets,
+                        time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
+                        split=split[first].tolist() if split is not None else None)
+    tol = TOL * max(1.0, abs(z_lp))
+    if seed.status in ("infeasible", "no-solution"):
+        if split is not None:
+            return None
+        theta = np.full(n_labels, max(FALLBACK_THETA * abs(z_lp), 1e-6))
+        seeded = False
+    else:
+        seed_values = np.zeros(n)
+        seed_values[first] = seed.values
+        z_seed_group = np.bincount(labels, _objective_per_column(problem, d, seed_values), minlength=n_labels)
+        theta = z_seed_group - z_lp_group + tol
+        seeded = True
+    while True:
+        keep = sorted(set(first) | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
+        if seeded and len(keep) == len(first) and seed.status == "optimal":
+            mip = seed  # no column outside the first set can beat it
+            break
+        mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
+                           time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
+                           split=split[keep].tolist() if split is not None else None)
+        if mip.status in ("infeasible", "no-solution") and len(keep) < n and not seeded:
+            theta = theta * 4
+            continue
+        if mip.status in ("infeasible", "no-solution") or len(keep) == n or split is not None:
+            break
+        needed = mip.objective - z_lp + tol
+        if needed <= theta[0] or time.perf_counter() >= deadline:
+            break
+        theta = np.full(n_labels, needed)
+    return _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds,
+                   float(theta.max()), split, n_groups, targets, deadline)
+
+
+def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,
+            deadline) -> MinCostSolve | None:
+    n = len(columns)
+    if mip.status in ("infeasible", "no-solution"):
+        if split is not None and mip.status == "no-solution":
+            return None
+        return MinCostSolve(mip, "optimal", z_lp, lp_columns, rounds, len(keep), theta, n_groups,
+                            split is not None)
+    values = np.zeros(n)
+    values[keep] = mip.values
+    if split is not None:
+        if not _fits(problem, d, values):
+            return None
+        if not _fits(problem, d, lp_values):
+            whole, _, _, _ = _lp(problem, columns, d, targets, deadline, None)
+            z_lp = whole.objective if whole.status == "optimal" else z_lp
+    # Fixing is exact when the ILP's optimum needs no column beyond the threshold it was run with.
+    proven = split is not None or mip.objective - z_lp <= theta + TOL * max(1.0, abs(z_lp)) or len(keep) == n
+    bound = mip.bound if len(keep) == n or split is not None else min(mip.bound, z_lp + theta)
+    status = mip.status if proven else "feasible-time-limit"
+    result = ilp.SolveResult(status, tuple(values.tolist()), mip.objective, max(bound, min(z_lp, mip.objective)),
+                             mip.solve_s)
+    return MinCostSolve(result, "optimal", z_lp, lp_columns, rounds, len(keep), theta, n_groups, split is not None)

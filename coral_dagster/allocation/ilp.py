@@ -1,0 +1,357 @@
+"""The allocation ILP of coral.md §3 in PuLP, solved with HiGHS under a time limit.
+
+Notation
+    τ         a template (after lossless pruning), r a region, c a node configuration
+    m         a demand key (model, phase), phase ∈ {prefill, decode}
+    U_c(τ)    nodes of configuration c in τ
+    T_m(τ)    tokens/s one instance of τ gives m (its throughput; an aggregated template gives both phases
+              of its model, split by the model's prefill share of tokens)
+    p_r(τ)    Σ_c U_c(τ) p_r(c), $/h of one instance of τ in r
+    A_r(c)    nodes of c available in r
+    D_m       demanded tokens/s of m;  s_m the fraction of D_m to serve (1, or a scarcity level)
+    ν'_r(τ)   instances running now;  K = node start-up time / re-plan interval
+Variables
+    ν_r(τ) ∈ ℤ≥0   instances of τ in r
+    I_r(τ) ≥ 0     churn penalty, $/h
+Objective
+    minimise  Σ_r Σ_τ p_r(τ) ν_r(τ) + I_r(τ)
+Constraints
+    C1 availability   Σ_τ U_c(τ) ν_r(τ) ≤ A_r(c)                  ∀ r, c
+    C2 demand         Σ_r Σ_τ T_m(τ) ν_r(τ) ≥ s_m D_m             ∀ m   (rows divided by D_m for scaling)
+    C3 churn          I_r(τ) ≥ (ν_r(τ) − ν'_r(τ)) p_r(τ) K        ∀ r, τ
+    C4 bounds         ν_r(τ) ≤ min_c ⌊A_r(c) / U_c(τ)⌋            ∀ r, τ
+
+Exact reformulations: where ν'_r(τ) = 0, C3 with the minimisation gives I = p K ν, so that penalty goes into
+ν's cost and no I variable is made. With no running plan at all every plan's objective is (1 + K) Σ p ν, a
+constant factor, so it is dropped and the objective is the provisioning cost.
+
+Scarcity variant (`max_level`): demand keys are split into groups g (all keys: uniform scaling; one group per
+model: max-min fair share); s_m = f_g for m in g, f_g ≤ 1, f_g ≥ t for free groups and f_g ≥ its level for
+fixed ones; maximise t subject to C1, C2, C4 (no churn: serving more comes first).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, replace
+from typing import Literal, Mapping, Sequence
+
+from coral_dagster.allocation.problem import AllocationProblem, DemandKey
+from coral_dagster.allocation.prune import Column
+
+RawStatus = Literal["optimal", "feasible-time-limit", "infeasible", "no-solution"]
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    """One solver run: counts per column, objective, the solver's proven bound and its wall time.
+
+    `row_duals` (LP runs only) maps a row (`("avail", region, node)`, `("demand", model, phase)`) to its dual.
+    """
+
+    status: RawStatus
+    values: tuple[float, ...]
+    objective: float
+    bound: float
+    solve_s: float
+    level: float = 1.0
+    row_duals: Mapping[tuple, float] | None = None
+    overflow: Mapping[tuple, float] | None = None
+
+
+def _pulp():
+    import pulp  # lazy: only planning needs the solver
+
+    _silence_highs_banner()
+    return pulp
+
+
+@functools.lru_cache(maxsize=1)
+def _silence_highs_banner() -> None:
+    """HiGHS prints a banner to stdout on its first instance per process; it would corrupt `--json` output."""
+    try:
+        import highspy
+    except ImportError:
+        return
+    sys.stdout.flush()
+    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        highspy.Highs()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
+def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False):
+    """HiGHS through its Python API; CBC when highspy is missing.
+
+    HiGHS's feasibility-jump heuristic is off by default: on the allocation ILP's small knapsack-like models it
+    took 70–90 ms of a 100 ms solve and found nothing the search did not (it is a heuristic: optima unchanged).
+    """
+    pulp = _pulp()
+    highs = pulp.HiGHS(msg=False, mip=mip, timeLimit=time_limit_s, gapRel=gap_rel,
+                       mip_heuristic_run_feasibility_jump=feasibility_jump)
+    if highs.available():
+        return highs
+    return pulp.PULP_CBC_CMD(msg=False, mip=mip, timeLimit=max(1, int(math.ceil(time_limit_s))), gapRel=gap_rel)
+
+
+def churn_factor(problem: AllocationProblem) -> float:
+    """K when a plan is running, else 0: with nothing running every plan pays (1 + K) × its cost, a constant
+    factor that is dropped."""
+    return problem.churn_k if any(n > 0 for n in problem.running.values()) else 0.0
+
+
+def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float):
+    """HiGHS handed a starting solution (`start`: variable -> value; others start at 0); plain HiGHS without
+    highspy's API.
+
+    Presolve is off: HiGHS 1.16 with presolve on and a user solution reports it as optimal, objective 0,
+    without searching (seen on a 36-column allocation ILP; presolve off finds the true optimum).
+    """
+    pulp = _pulp()
+    base = solver(time_limit_s, gap_rel, feasibility_jump=True)
+    if not isinstance(base, pulp.HiGHS):
+        return base
+
+    class WarmHighs(pulp.HiGHS):
+        def callSolver(self, lp):
+            import numpy as np
+
+            variables = lp.variables()
+            index = np.array([v.index for v in variables], dtype=np.int32)
+            value = np.array([float(start.get(v, 0.0)) for v in variables])
+            lp.solverModel.setOptionValue("presolve", "off")
+            lp.solverModel.setSolution(len(index), index, value)
+            lp.solverModel.run()
+
+    return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel)
+
+
+def _supply_terms(problem: AllocationProblem, columns: Sequence[Column]) -> dict[DemandKey, list[tuple[int, float]]]:
+    """Per demand key with D_m > 0: (column index, T_m(τ) / D_m)."""
+    terms: dict[DemandKey, list[tuple[int, float]]] = {
+        k: [] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
+    for i, col in enumerate(columns):
+        for key in problem.serves(col.template):
+            if key in terms:
+                terms[key].append((i, problem.contribution(col.template, key[1]) / problem.demand_tokens_per_s[key]))
+    return terms
+
+
+def _availability_terms(columns: Sequence[Column], split: Sequence[int] | None = None) -> dict[tuple, list]:
+    """Per C1 row, (column index, nodes used): rows are (region, node), or (group, region, node) when split."""
+    terms: dict[tuple, list[tuple[int, int]]] = {}
+    for i, col in enumerate(columns):
+        for node, k in col.template.nodes.counts:
+            key = (col.region, node) if split is None else (split[i], col.region, node)
+            terms.setdefault(key, []).append((i, k))
+    return dict(sorted(terms.items()))
+
+
+def _row(prob, rows: dict, key: tuple, constraint) -> None:
+    """Add a constraint under a short unique name and remember it by its structured key (PuLP rewrites names)."""
+    prob += constraint, f"r{len(rows)}"
+    rows[key] = constraint
+
+
+def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
+         rows: Mapping[tuple, object] | None = None) -> SolveResult:
+    """Solve and read status, values, objective and bound the same way for every variant."""
+    pulp = _pulp()
+    start = time.perf_counter()
+    slv = solver(time_limit_s, gap_rel, mip)
+    prob.solve(slv)
+    solve_s = time.perf_counter() - start
+    model = getattr(prob, "solverModel", None)
+    if model is not None and hasattr(model, "getModelStatus"):
+        import highspy
+
+        st = model.getModelStatus()
+        info = model.getInfo()
+        has_solution = info.primal_solution_status == 2
+        if st == highspy.HighsModelStatus.kOptimal:
+            status: RawStatus = "optimal"
+        elif st in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
+            status = "infeasible"
+        elif has_solution:
+            status = "feasible-time-limit"
+        else:
+            status = "no-solution"
+        if mip and status != "infeasible" and any(v.cat == pulp.LpInteger for v in columns_vars):
+            bound = info.mip_dual_bound
+        else:
+            bound = info.objective_function_value
+        if prob.sense == pulp.LpMaximize:  # PuLP hands HiGHS the negated objective of a maximisation
+            bound = -bound
+    else:
+        code = prob.status
+        status = {1: "optimal", -1: "infeasible"}.get(code, "no-solution")
+        bound = pulp.value(prob.objective) if status == "optimal" else math.nan
+    if status in ("infeasible", "no-solution"):
+        return SolveResult(status, (), math.nan, math.nan, solve_s)
+    integer = mip and any(v.cat == pulp.LpInteger for v in columns_vars)
+    values = tuple(float(round(v.varValue or 0.0)) if integer else float(v.varValue or 0.0) for v in columns_vars)
+    objective = float(pulp.value(prob.objective))
+    duals = None
+    if not integer:
+        duals = {key: float(c.pi or 0.0) for key, c in (rows or {}).items()}
+    if bound is None or not math.isfinite(bound):
+        bound = objective
+    return SolveResult(status, values, objective, float(bound), solve_s, row_duals=duals)
+
+
+def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Mapping[DemandKey, float] | None = None,
+             *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
+             overflow_weight: float | None = None, slack_usd: float | None = None,
+             split: Sequence[int] | None = None) -> SolveResult:
+    """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m.
+
+    With `split` (a group label per column), C1 is written once per group: each group may use all of the
+    availability, which relaxes C1 into independent problems per group (see `colgen`).
+    With `overflow_weight`, C1 becomes elastic (diagnosis only): extra nodes `over_r(c)` may be bought at
+    `overflow_weight × p_r(c)` each; their values come back in `overflow` keyed by (region, node).
+    With `slack_usd`, C2 becomes elastic (column generation only): unmet demand costs `slack_usd` per unit of
+    D_m; the unmet fraction comes back in `overflow` keyed by demand key.
+    """
+    pulp = _pulp()
+    cat = pulp.LpInteger if integer else pulp.LpContinuous
+    prob = pulp.LpProblem("coral_allocation", pulp.LpMinimize)
+    k = churn_factor(problem)
+    # C4 bounds, with the integrality of ν (elastic: availability alone bounds ν)
+    nu = [prob.add_variable(f"nu_{i}", lowBound=0, upBound=None if overflow_weight else c.max_count, cat=cat)
+          for i, c in enumerate(columns)]
+    churn = {i: prob.add_variable(f"churn_{i}", lowBound=0) for i, c in enumerate(columns) if c.running and k > 0}
+    objective = [(nu[i], c.usd_per_hour * (1.0 if i in churn or c.running else 1.0 + k)) for i, c in
+                 enumerate(columns)]
+    objective += [(v, 1.0) for v in churn.values()]
+    prob.setObjective(pulp.LpAffineExpression(objective))
+    rows: dict[tuple, object] = {}
+    # C1 availability
+    over = {}
+    for row, terms in _availability_terms(columns, split).items():
+        region, node = row[-2:]
+        avail = problem.available_nodes.get((region, node), 0)
+        expr = [(nu[i], kk) for i, kk in terms]
+        if overflow_weight is not None:
+            over[row] = prob.add_variable(f"over_{len(over)}", lowBound=0, cat=cat)
+            expr.append((over[row], -1.0))
+            objective.append((over[row], overflow_weight * problem.usd_per_hour[(region, node)]))
+        _row(prob, rows, ("avail",) + row, pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintLE,
+                                                            None, avail))
+    if over:
+        prob.setObjective(pulp.LpAffineExpression(objective))
+    # C2 demand
+    short = {}
+    for key, terms in _supply_terms(problem, columns).items():
+        target = 1.0 if targets is None else targets.get(key, 1.0)
+        expr = [(nu[i], coef) for i, coef in terms]
+        if slack_usd is not None:
+            short[key] = prob.add_variable(f"short_{len(short)}", lowBound=0)
+            expr.append((short[key], 1.0))
+            objective.append((short[key], slack_usd))
+        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE,
+                                                             None, target))
+    if short:
+        prob.setObjective(pulp.LpAffineExpression(objective))
+    # C3 churn
+    for i, var in churn.items():
+        c = columns[i]
+        _row(prob, rows, ("churn", i), pulp.LpConstraint(
+            pulp.LpAffineExpression([(var, 1.0), (nu[i], -c.usd_per_hour * k)]), pulp.LpConstraintGE, None,
+            -c.running * c.usd_per_hour * k))
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
+    extra = {**over, **short}
+    if extra and result.status not in ("infeasible", "no-solution"):
+        result = replace(result, overflow={key: float(v.varValue or 0.0) for key, v in extra.items()})
+    return result
+
+
+def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Mapping[str, Sequence[DemandKey]],
+              fixed: Mapping[str, float] | None = None, *, integer: bool = True, cap: float = 1.0,
+              time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> SolveResult:
+    """Maximise the served fraction t shared by the free groups, the fixed ones keeping their levels.
+
+    Returns the counts reaching the optimum; `level` is the exact t those counts reach (recomputed from them).
+    """
+    pulp = _pulp()
+    fixed = dict(fixed or {})
+    cat = pulp.LpInteger if integer else pulp.LpContinuous
+    prob = pulp.LpProblem("coral_scarcity", pulp.LpMaximize)
+    # C4 bounds, with the integrality of ν
+    nu = [prob.add_variable(f"nu_{i}", lowBound=0, upBound=c.max_count, cat=cat) for i, c in enumerate(columns)]
+    t = prob.add_variable("level", lowBound=0, upBound=cap)
+    frac = {g: prob.add_variable(f"frac_{j}", lowBound=fixed.get(g, 0.0), upBound=cap)
+            for j, g in enumerate(sorted(groups))}
+    prob.setObjective(pulp.LpAffineExpression([(t, 1.0)]))
+    rows: dict[tuple, object] = {}
+    # C1 availability
+    for (region, node), terms in _availability_terms(columns).items():
+        avail = problem.available_nodes.get((region, node), 0)
+        _row(prob, rows, ("avail", region, node), pulp.LpConstraint(
+            pulp.LpAffineExpression([(nu[i], kk) for i, kk in terms]), pulp.LpConstraintLE, None, avail))
+    # C2 demand, at the group's level
+    supply = _supply_terms(problem, columns)
+    group_of = {key: g for g, keys in groups.items() for key in keys}
+    for key, terms in supply.items():
+        g = group_of[key]
+        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(
+            pulp.LpAffineExpression([(nu[i], coef) for i, coef in terms] + [(frac[g], -1.0)]), pulp.LpConstraintGE,
+            None, 0.0))
+    free = [g for g in groups if g not in fixed]
+    for j, g in enumerate(sorted(free)):
+        _row(prob, rows, ("level", g), pulp.LpConstraint(pulp.LpAffineExpression([(frac[g], 1.0), (t, -1.0)]),
+                                                         pulp.LpConstraintGE, None, 0.0))
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
+    if result.status in ("infeasible", "no-solution"):
+        return result
+    served = supplied_fractions(problem, columns, result.values)
+    levels = [min(served.get(k, cap) for k in groups[g]) for g in free] or [cap]
+    return SolveResult(result.status, result.values, result.objective, result.bound, result.solve_s,
+                       level=min(cap, min(levels)), row_duals=result.row_duals)
+
+
+def supplied_fractions(problem: AllocationProblem, columns: Sequence[Column],
+                       values: Sequence[float]) -> dict[DemandKey, float]:
+    """Served tokens/s over demanded, per key with positive demand, for the given counts."""
+    served = {k: 0.0 for k, d in problem.demand_tokens_per_s.items() if d > 0}
+    for col, v in zip(columns, values):
+        for key in problem.serves(col.template):
+            if key in served:
+                served[key] += v * problem.contribution(col.template, key[1])
+    return {k: served[k] / problem.demand_tokens_per_s[k] for k in served}
+
+
+def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column], *,
+                           time_limit_s: float = 30.0) -> float:
+    """The least σ with all demand servable (LP relaxation) when every A_r(c) becomes σ·A_r(c).
+
+    C1 becomes Σ_τ U_c(τ) ν_r(τ) ≤ σ A_r(c); C4 is dropped (the bounds scale with σ); minimise σ.
+    """
+    pulp = _pulp()
+    prob = pulp.LpProblem("coral_min_availability", pulp.LpMinimize)
+    nu = [prob.add_variable(f"nu_{i}", lowBound=0) for i in range(len(columns))]
+    sigma = prob.add_variable("sigma", lowBound=0)
+    prob.setObjective(pulp.LpAffineExpression([(sigma, 1.0)]))
+    rows: dict[tuple, object] = {}
+    # C1 availability, scaled by σ
+    for (region, node), terms in _availability_terms(columns).items():
+        avail = problem.available_nodes.get((region, node), 0)
+        _row(prob, rows, ("avail", region, node), pulp.LpConstraint(
+            pulp.LpAffineExpression([(nu[i], kk) for i, kk in terms] + [(sigma, -avail)]), pulp.LpConstraintLE,
+            None, 0.0))
+    # C2 demand
+    for key, terms in _supply_terms(problem, columns).items():
+        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(
+            pulp.LpAffineExpression([(nu[i], coef) for i, coef in terms]), pulp.LpConstraintGE, None, 1.0))
+    result = _run(prob, nu, time_limit_s, 0.0, mip=False)
+    if result.status != "optimal":
+        return math.inf
+    return float(sigma.varValue)

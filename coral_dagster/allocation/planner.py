@@ -1,0 +1,139 @@
+"""Coral's planner: prune, solve the LP relaxation and the ILP, fall back to a scarcity mode, build the Plan."""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Mapping, Sequence
+
+from coral_dagster.allocation import colgen, scarcity
+from coral_dagster.allocation.problem import AllocationProblem, DemandKey
+from coral_dagster.allocation.prune import Column, prune_columns
+from coral_dagster.allocation.types import Bottleneck, Method, PlannedInstance, Plan, Scarcity, SolveStatus
+from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
+
+SCARCITY_FIX = ("raise availability (`--availability-scale`), lower demand, or plan under scarcity with "
+                "`--scarcity scale` (every model scaled down alike) or `--scarcity fair` (max-min fair share).")
+
+
+def served_tokens(problem: AllocationProblem, instances: Sequence[PlannedInstance]) -> dict[DemandKey, float]:
+    """Tokens/s the instances give each demand key."""
+    out = {k: 0.0 for k in problem.demand_tokens_per_s}
+    for inst in instances:
+        for key in problem.serves(inst.template):
+            out[key] += inst.count * problem.contribution(inst.template, key[1])
+    return out
+
+
+def churn_usd_per_hour(problem: AllocationProblem, instances: Sequence[PlannedInstance]) -> float:
+    """K × the price of every instance launched beyond the running plan (0 when nothing runs)."""
+    if not any(n > 0 for n in problem.running.values()):
+        return 0.0
+    return sum(max(0, i.count - problem.running.get((i.template.template_id, i.region), 0)) * i.usd_per_hour
+               for i in instances) * problem.churn_k
+
+
+def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, instances: list[PlannedInstance],
+               *, lp_bound: float, mip_bound: float = math.nan, solve_s: float, demand_scale: float = 1.0,
+               notes: Sequence[str] = (), bottlenecks: Sequence[Bottleneck] = (), pruning=None,
+               timings: Mapping[str, float] | None = None) -> Plan:
+    """Assemble a Plan: cost, churn and gap recomputed from the instances, never taken from a solver."""
+    instances = sorted(instances, key=lambda i: (i.template.model, i.template.phase, i.region, i.template.template_id))
+    cost = sum(i.count * i.usd_per_hour for i in instances)
+    churn = churn_usd_per_hour(problem, instances)
+    objective = cost + churn
+    gap = (objective - lp_bound) / objective if objective > 0 and math.isfinite(lp_bound) else (
+        0.0 if objective == 0 else math.nan)
+    return Plan(scenario=problem.scenario, method=method, status=status, cost_usd_per_hour=cost,
+                lp_bound_usd_per_hour=lp_bound, gap=max(0.0, gap) if math.isfinite(gap) else gap, solve_s=solve_s,
+                instances=tuple(instances), demand_tokens_per_s=dict(problem.demand_tokens_per_s),
+                served_tokens_per_s=served_tokens(problem, instances), demand_scale=demand_scale,
+                notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=mip_bound,
+                bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
+                timings_s=dict(timings or {}))
+
+
+def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[PlannedInstance]:
+    return [PlannedInstance(c.template, c.region, int(v), c.usd_per_hour) for c, v in zip(columns, values) if v > 0]
+
+
+def unserved_keys(problem: AllocationProblem, columns: Sequence[Column]) -> list[DemandKey]:
+    """Demand keys no column can serve at all."""
+    kinds = {(c.template.model, c.template.phase) for c in columns}
+    covered = {(m, p) for m, ph in kinds for p in (("prefill", "decode") if ph == "aggregated" else (ph,))}
+    return [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0 and k not in covered]
+
+
+def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity_mode: Scarcity | None = None,
+               time_limit_s: float = 30.0, gap_rel: float = 1e-4, prune: bool = True) -> Plan:
+    """The cheapest plan meeting demand (plus churn penalty against `problem.running`).
+
+    When demand cannot be met: with no `scarcity_mode`, raise InfeasibleError naming the models and node
+    configurations that bind; with `scale`, serve the largest common fraction of every model's demand; with
+    `fair`, the max-min fair fractions; either way at least cost for what is served.
+    Raises SolverTimeoutError when the time limit passes before any plan is found.
+    """
+    if scarcity_mode not in (None, "scale", "fair"):
+        raise CoralError(f"unknown scarcity mode {scarcity_mode!r}.", "use scale, fair, or none.")
+    start = time.perf_counter()
+    timings: dict[str, float] = {}
+    columns, report = prune_columns(problem, prune_dominated=prune)
+    timings["prune_s"] = time.perf_counter() - start
+    notes = [f"columns: {report.columns_before} (template, region) pairs -> {report.columns_after} after pruning "
+             f"({report.not_sold} not sold, {report.no_demand} without demand, {report.dominated} dominated)"]
+    missing = unserved_keys(problem, columns)
+    wanted = any(d > 0 for d in problem.demand_tokens_per_s.values())
+    if not wanted:
+        return build_plan(problem, method, "optimal", [], lp_bound=0.0, mip_bound=0.0,
+                          solve_s=time.perf_counter() - start, notes=notes, pruning=report.as_dict(),
+                          timings=timings)
+    feasible_lp = False
+    if not missing:
+        t0 = time.perf_counter()
+        cg = colgen.solve_min_cost(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
+        timings["solve_s"] = time.perf_counter() - t0
+        notes.append(_speedup_note(cg, len(columns)))
+        feasible_lp = cg.lp_status == "optimal"
+        if feasible_lp and cg.result.status == "no-solution":
+            raise SolverTimeoutError(
+                f"the {method} allocation ILP found no plan within {time_limit_s:g} s "
+                f"({len(columns)} columns).", "raise the time limit (`--time-limit-s`).")
+        if feasible_lp and cg.result.status != "infeasible":
+            status = "optimal" if cg.result.status == "optimal" else "feasible-time-limit"
+            return build_plan(problem, method, status, _instances(columns, cg.result.values),
+                              lp_bound=cg.lp_objective, mip_bound=cg.result.bound,
+                              solve_s=time.perf_counter() - start, notes=notes, pruning=report.as_dict(),
+                              timings=timings)
+    t0 = time.perf_counter()
+    diag = scarcity.diagnose(problem, columns, integer=feasible_lp, time_limit_s=time_limit_s)
+    timings["diagnose_s"] = time.perf_counter() - t0
+    if scarcity_mode is None:
+        raise InfeasibleError(f"{method}: {diag.message()}", SCARCITY_FIX)
+    t0 = time.perf_counter()
+    if scarcity_mode == "scale":
+        level, targets = scarcity.uniform_scale(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
+        notes.append(f"uniform scarcity: every model served at {level:.2%} of its demand")
+        status, scale = "scaled", level
+    else:
+        levels, targets = scarcity.fair_share(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
+        notes.append("max-min fair share: " + ", ".join(f"{m} {f:.1%}" for m, f in sorted(levels.items())))
+        status, scale = "fair-share", min(levels.values(), default=0.0)
+    timings["scarcity_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    timings["solve_s"] = time.perf_counter() - t0
+    if cg.result.status in ("infeasible", "no-solution"):
+        raise SolverTimeoutError(
+            f"the {method} scarcity plan found no solution within {time_limit_s:g} s.",
+            "raise the time limit (`--time-limit-s`).")
+    notes.append(_speedup_note(cg, len(columns)))
+    notes.append(f"status of the cost solve at that level: {cg.result.status}")
+    return build_plan(problem, method, status, _instances(columns, cg.result.values),
+                      lp_bound=cg.lp_objective, mip_bound=cg.result.bound, solve_s=time.perf_counter() - start,
+                      demand_scale=scale, notes=notes, bottlenecks=diag.bottlenecks, pruning=report.as_dict(),
+                      timings=timings)
+
+
+def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
+    return (f"LP relaxation by column generation: {cg.lp_columns} of {n_columns} columns, {cg.lp_rounds} rounds; "
+            f"ILP over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest provably unused)")

@@ -1,0 +1,44 @@
+"""Plan one bundled scenario end to end: its template library, today's market, the demand mix and a method."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from coral_dagster.allocation.inputs import scenario_problem
+from coral_dagster.allocation.methods import make_plan
+from coral_dagster.allocation.types import Plan, Scarcity
+from coral_dagster.catalog.scenarios import Scenario, load_scenario
+from coral_dagster.templates.types import Template
+
+
+def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[Template, ...]:
+    """The scenario's template library: from the DuckDB store when built there, else built now and stored."""
+    from coral_dagster.store import Store
+    from coral_dagster.templates.library import build_library, load_library, store_library
+
+    store = Store(db_path)
+    stored = load_library(store, scenario)
+    if stored:
+        return tuple(stored)
+    built = build_library(scenario, progress=True)
+    store_library(store, built, scenario)
+    return tuple(built)
+
+
+def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
+                  demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
+                  time_limit_s: float = 30.0, db_path: str | None = None,
+                  templates: Sequence[Template] | None = None) -> Plan:
+    """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
+    it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster)."""
+    scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
+    market = scn.market(availability_scale=availability_scale)
+    if method == "helix":
+        from coral_dagster.allocation.helix import helix_plan
+
+        return helix_plan(scn, time_limit_s=time_limit_s, market=market)[0]
+    if templates is None:
+        templates = library_templates(scn, db_path)
+    problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
+                               running=running.counts() if running else None)
+    return make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)

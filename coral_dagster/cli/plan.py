@@ -1,0 +1,133 @@
+"""`coral plan` (one allocation plan, stored in DuckDB) and `coral bench allocation` (every method side by side)."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import click
+
+from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
+
+METHODS = ("coral", "homo", "homo-ilp", "cauchy", "helix")
+MIXES = ("uniform", "large-heavy", "small-heavy")
+
+
+def _print_plan(plan, plan_id: str | None) -> None:
+    import pandas as pd
+
+    rows = [{"model": i.template.model, "phase": i.template.phase, "region": i.region,
+             "nodes": str(i.template.nodes), "count": i.count, "tokens_per_s": i.tokens_per_s,
+             "usd_per_hour": i.usd_per_hour * i.count} for i in plan.instances]
+    emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
+                                           "usd_per_hour"]),
+               title=f"{plan.scenario} / {plan.method}: {plan.status}")
+    served = [{"model": m, "phase": p, "demand_tokens_per_s": d,
+               "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
+              for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
+    emit_table(pd.DataFrame(served), title="served vs demanded")
+    gap = f"{plan.gap:.2%}" if plan.gap == plan.gap else "n/a"
+    click.echo(f"cost {plan.cost_usd_per_hour:,.2f} $/h (churn penalty {plan.churn_usd_per_hour:,.2f}), "
+               f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap {gap}, solved in {plan.solve_s:.2f} s, "
+               f"demand scale {plan.demand_scale:.2%}")
+    for b in plan.bottlenecks:
+        click.echo(f"bottleneck: {b.describe()}")
+    for note in plan.notes:
+        click.echo(f"note: {note}")
+    if plan_id:
+        click.echo(f"stored as plan {plan_id}")
+
+
+@click.command("plan")
+@click.option("--scenario", default="core", show_default=True, help="Bundled scenario: core, extended or helix.")
+@click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
+              help="Coral's ILP, or a baseline on the same inputs (helix: single-model scenarios only).")
+@click.option("--availability-scale", type=float, default=1.0, show_default=True,
+              help="Multiply every region's node availability (below 1 to plan under scarcity).")
+@click.option("--demand-mix", type=click.Choice(MIXES), default="uniform", show_default=True,
+              help="Move 80% of requests to the largest or smallest third of the models (total kept).")
+@click.option("--running", "running_id", default=None,
+              help="Plan id (or `latest`) of the plan running now; launching beyond it pays the churn penalty.")
+@click.option("--scarcity", type=click.Choice(["none", "scale", "fair"]), default="none", show_default=True,
+              help="When demand cannot be met: error (none), scale every model alike, or max-min fair share.")
+@click.option("--time-limit-s", type=float, default=30.0, show_default=True, help="Solver time limit.")
+@click.option("--store/--no-store", "save", default=True, show_default=True,
+              help="Write the plan to the DuckDB file (tables plans, plan_instances).")
+@db_option
+@json_option
+def plan(scenario: str, method: str, availability_scale: float, demand_mix: str, running_id: str | None,
+         scarcity: str, time_limit_s: float, save: bool, db_path: str | None, as_json: bool) -> None:
+    """Choose how many instances of which templates to run in which region, at least cost.
+
+    Demand per (model, phase) is the scenario's request rate × the trace's mean prompt (prefill) or output
+    (decode) tokens × its headroom. Prints instances, served vs demanded tokens/s, cost, the LP-relaxation
+    bound and gap; under scarcity, which models and node configurations bind.
+    """
+    from coral_dagster.allocation.scenario_plans import plan_scenario
+    from coral_dagster.allocation.storage import load_plan, store_plan
+    from coral_dagster.store import Store
+
+    store = Store(db_path)
+    running = load_plan(store, running_id) if running_id else None
+    result = plan_scenario(scenario, method=method, availability_scale=availability_scale, demand_mix=demand_mix,
+                           running=running, scarcity=None if scarcity == "none" else scarcity,
+                           time_limit_s=time_limit_s, db_path=db_path)
+    plan_id = None
+    if save:
+        inputs = {"scenario": scenario, "method": method, "availability_scale": availability_scale,
+                  "demand_mix": demand_mix, "running": running_id, "scarcity": scarcity,
+                  "time_limit_s": time_limit_s}
+        plan_id = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
+    if as_json:
+        emit_json({"plan_id": plan_id, **result.as_dict()})
+    else:
+        _print_plan(result, plan_id)
+
+
+@click.group("bench")
+def bench() -> None:
+    """Benchmarks that put Coral beside its baselines and the paper's figures."""
+
+
+@bench.command("allocation")
+@click.option("--scenarios", default="core,extended", show_default=True, help="Comma-separated scenarios.")
+@click.option("--settings", default="default,imbalanced,scarcity,replan", show_default=True,
+              help="Comma-separated: default, imbalanced, scarcity, replan.")
+@click.option("--helix/--no-helix", default=True, show_default=True, help="Also run Helix vs Coral on its cluster.")
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
+              help="Also write the JSON document here (bench/allocation.py writes bench/results/allocation.json).")
+@db_option
+@json_option
+def allocation(scenarios: str, settings: str, helix: bool, out_path: str | None, db_path: str | None,
+               as_json: bool) -> None:
+    """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
+    from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
+    from coral_dagster.allocation.scenario_plans import library_templates
+
+    config = BenchConfig(scenarios=tuple(s for s in scenarios.split(",") if s),
+                         settings=tuple(s for s in settings.split(",") if s), helix=helix)
+    doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config)
+    if out_path:
+        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_path).write_text(json.dumps(doc, indent=2, default=str))
+    if as_json:
+        emit_json(doc)
+    else:
+        print_bench(doc)
+
+
+def print_bench(doc: dict) -> None:
+    """The benchmark's tables: one row per (setting, scenario, method), then re-planning and Helix."""
+    import pandas as pd
+
+    cols = ["setting", "scenario", "method", "status", "cost_usd_per_hour", "cost_ratio_to_coral",
+            "goodput_fraction", "solve_s", "gap_to_lp", "instances", "mixed_instances"]
+    rows = pd.DataFrame(doc["rows"])
+    if not rows.empty:
+        emit_table(rows.reindex(columns=cols), title="allocation: cost, goodput and solve time per method")
+    if doc.get("replan"):
+        rp = pd.DataFrame(doc["replan"]).drop(columns=["statuses"], errors="ignore")
+        emit_table(rp, title="re-planning every 6 min over 30 min")
+    if doc.get("helix"):
+        click.echo(json.dumps(doc["helix"], indent=2, default=str))

@@ -1,0 +1,302 @@
+"""The allocation ILP against brute force, an independent checker, and churn and infeasibility oracles."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from coral_dagster.allocation.baselines import plan_cauchy, plan_homo, plan_homo_ilp
+from coral_dagster.allocation.check import plan_violations
+from coral_dagster.allocation.planner import solve_plan
+from coral_dagster.allocation.problem import AllocationProblem
+from coral_dagster.allocation.prune import dominated_ids
+from coral_dagster.allocation.synthetic import random_problem, synthetic_template
+from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.errors import InfeasibleError
+
+EXACT = 1e-9
+
+
+def brute_force(problem: AllocationProblem, scale: float = 1.0):
+    """Cheapest objective over every integer allocation within availability (None when none meets demand).
+
+    Written without the ILP's columns or pruning: walks templates × regions in order, bounding each count by the
+    nodes still free, and prices churn as K × price of each instance beyond the running plan.
+    """
+    pairs = [(t, r) for t in problem.templates for r in sorted({r for r, _ in problem.usd_per_hour})
+             if all((r, n) in problem.usd_per_hour for n, _ in t.nodes.counts)]
+    running = any(v > 0 for v in problem.running.values())
+    best = [math.inf]
+
+    def supply(assign):
+        out = {k: 0.0 for k in problem.demand_tokens_per_s}
+        for (t, _), n in zip(pairs, assign):
+            for phase in ("prefill", "decode"):
+                key = (t.model, phase)
+                if key not in out:
+                    continue
+                if t.phase == phase:
+                    out[key] += n * t.tokens_per_s
+                elif t.phase == "aggregated":  # output tokens/s; prompt tokens in the trace's ratio
+                    out[key] += n * t.tokens_per_s * (problem.prompt_per_output[t.model] if phase == "prefill"
+                                                      else 1.0)
+        return out
+
+    def walk(i, free, assign):
+        if i == len(pairs):
+            got = supply(assign)
+            if all(got[k] >= d * scale - 1e-7 for k, d in problem.demand_tokens_per_s.items()):
+                obj = 0.0
+                for (t, r), n in zip(pairs, assign):
+                    price = sum(k * problem.usd_per_hour[(r, c)] for c, k in t.nodes.counts)
+                    obj += n * price
+                    if running:
+                        obj += problem.churn_k * price * max(0, n - problem.running.get((t.template_id, r), 0))
+                best[0] = min(best[0], obj)
+            return
+        t, r = pairs[i]
+        n = 0
+        while all(free.get((r, c), 0) >= k * n for c, k in t.nodes.counts):
+            nxt = dict(free)
+            for c, k in t.nodes.counts:
+                nxt[(r, c)] = free[(r, c)] - k * n
+            walk(i + 1, nxt, assign + [n])
+            n += 1
+
+    walk(0, dict(problem.available_nodes), [])
+    return None if best[0] == math.inf else best[0]
+
+
+def tiny(seed: int, **kw) -> AllocationProblem:
+    return random_problem(seed, n_models=1, gpus=("L4", "L40S"), counts=(1,), n_max=2, avail_range=(0, 3),
+                          demand_range=(500.0, 6000.0), **kw)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_optimum_equals_brute_force(seed):
+    problem = tiny(seed, regions=("r1",) if seed % 2 else ("r1", "r2"), aggregated=seed % 3 == 0)
+    expected = brute_force(problem)
+    if expected is None:
+        with pytest.raises(InfeasibleError):
+            solve_plan(problem, gap_rel=EXACT)
+        return
+    plan = solve_plan(problem, gap_rel=EXACT)
+    assert plan.status == "optimal"
+    assert plan.objective_usd_per_hour == pytest.approx(expected, rel=1e-7, abs=1e-9)
+    assert plan.lp_bound_usd_per_hour <= plan.objective_usd_per_hour + 1e-7
+    assert plan_violations(plan, problem) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_ilp_with_churn_equals_brute_force(seed):
+    problem = random_problem(seed + 100, n_models=1, gpus=("L4", "L40S"), counts=(1,), n_max=2, regions=("r1",),
+                             avail_range=(2, 3), demand_range=(300.0, 1500.0), churn_k=10 / 6)
+    plan = solve_plan(problem, gap_rel=EXACT)
+    assert plan.objective_usd_per_hour == pytest.approx(brute_force(problem), rel=1e-7)
+    rng = random.Random(seed)
+    cheaper = {k: round(p * rng.uniform(0.3, 1.0), 3) for k, p in problem.usd_per_hour.items()}
+    replan = problem.with_changes(running=plan.counts(), usd_per_hour=cheaper)
+    again = solve_plan(replan, gap_rel=EXACT)
+    assert again.objective_usd_per_hour == pytest.approx(brute_force(replan), rel=1e-7)
+
+
+def feasible_random(seed: int) -> tuple[AllocationProblem, float]:
+    """A random instance whose demand a random allocation meets: it is feasible and that allocation's cost
+    bounds the optimum from above."""
+    rng = random.Random(seed)
+    base = random_problem(seed, n_models=2, gpus=("L4", "L40S"), n_max=2, avail_range=(2, 10),
+                          aggregated=seed % 2 == 0)
+    free = dict(base.available_nodes)
+    served = {k: 0.0 for k in base.demand_tokens_per_s}
+    cost = 0.0
+    for t in rng.sample(list(base.templates), 12):
+        r = rng.choice(sorted({r for r, _ in base.usd_per_hour}))
+        if all(free.get((r, c), 0) >= k for c, k in t.nodes.counts) and all(
+                (r, c) in base.usd_per_hour for c, _ in t.nodes.counts):
+            for c, k in t.nodes.counts:
+                free[(r, c)] -= k
+            cost += sum(k * base.usd_per_hour[(r, c)] for c, k in t.nodes.counts)
+            for key in base.demand_tokens_per_s:
+                if t.model == key[0] and t.phase == key[1]:
+                    served[key] += t.tokens_per_s
+                elif t.model == key[0] and t.phase == "aggregated":
+                    ratio = base.prompt_per_output[t.model]
+                    served[key] += t.tokens_per_s * (ratio if key[1] == "prefill" else 1.0)
+    demand = {k: v * rng.uniform(0.5, 1.0) for k, v in served.items()}
+    return base.with_changes(demand_tokens_per_s=demand), cost
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_feasible_random_plans_meet_demand_within_availability(seed):
+    problem, witness_cost = feasible_random(seed)
+    plan = solve_plan(problem, time_limit_s=20)
+    assert plan_violations(plan, problem) == []
+    assert plan.cost_usd_per_hour <= witness_cost + 1e-6
+    assert plan.lp_bound_usd_per_hour <= plan.cost_usd_per_hour + 1e-6
+    for baseline in (plan_homo, plan_cauchy, plan_homo_ilp):
+        try:
+            other = baseline(problem)
+        except InfeasibleError:
+            continue
+        assert plan_violations(other, problem) == []
+        # Coral's template space contains every baseline's, so its optimum is never dearer.
+        assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_pruning_is_lossless_and_dominance_matches_pairwise(seed):
+    problem, _ = feasible_random(seed + 50)
+    pruned = solve_plan(problem, gap_rel=1e-7)
+    full = solve_plan(problem, gap_rel=1e-7, prune=False)
+    assert pruned.cost_usd_per_hour == pytest.approx(full.cost_usd_per_hour, rel=1e-7)
+    templates = list(problem.templates)
+    pairwise = set()
+    for a in templates:
+        for b in templates:
+            if (a is not b and (a.model, a.phase) == (b.model, b.phase) and b.tokens_per_s >= a.tokens_per_s
+                    and all(b.node_count(n) <= a.node_count(n) for n, _ in a.nodes.counts + b.nodes.counts)
+                    and (b.tokens_per_s > a.tokens_per_s or b.nodes.size < a.nodes.size)):
+                pairwise.add(a.template_id)
+    assert dominated_ids(templates) == pairwise
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_unchanged_replan_changes_nothing(seed):
+    problem, _ = feasible_random(seed + 10)
+    problem = problem.with_changes(churn_k=10 / 6)
+    plan = solve_plan(problem, gap_rel=EXACT)
+    again = solve_plan(problem.with_changes(running=plan.counts()), gap_rel=EXACT)
+    assert again.counts() == plan.counts()
+    assert again.churn_usd_per_hour == 0
+
+
+def two_node_problem(price_y: float, running: dict | None = None, churn_k: float = 10 / 6) -> AllocationProblem:
+    x, y = NodeConfig("X", 1), NodeConfig("Y", 1)
+    tx = synthetic_template("m", "prefill", NodeMultiset.of([x]), 100.0)
+    ty = synthetic_template("m", "prefill", NodeMultiset.of([y]), 100.0)
+    return AllocationProblem("two", (tx, ty), {("r1", x): 1.0, ("r2", y): price_y},
+                             {("r1", x): 5, ("r2", y): 5}, {("m", "prefill"): 300.0},
+                             running=running or {}, churn_k=churn_k)
+
+
+def test_price_drop_smaller_than_churn_penalty_moves_nothing():
+    first = solve_plan(two_node_problem(1.2), gap_rel=EXACT)
+    assert {k: v for k, v in first.counts().items()} == {("m|prefill|1000|1xX:1", "r1"): 3}
+    # Y drops to 0.9 $/h: moving saves 3 × 0.1 = 0.3 $/h, launching 3 Y costs 3 × 0.9 × K = 4.5 $/h of churn.
+    small = solve_plan(two_node_problem(0.9, first.counts()), gap_rel=EXACT)
+    assert small.counts() == first.counts()
+    # Y drops to 0.1 $/h: moving saves 2.7 $/h, the churn penalty is 3 × 0.1 × K = 0.5 $/h: it moves.
+    big = solve_plan(two_node_problem(0.1, first.counts()), gap_rel=EXACT)
+    assert big.counts() == {("m|prefill|1000|1xY:1", "r2"): 3}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_price_drops_below_penalty_move_nothing(seed):
+    problem, _ = feasible_random(seed + 20)
+    problem = problem.with_changes(churn_k=10 / 6)
+    plan = solve_plan(problem, gap_rel=EXACT)
+    rng = random.Random(seed)
+    dropped = {k: p * (1 - rng.uniform(0, 0.05)) for k, p in problem.usd_per_hour.items()}
+    replan = problem.with_changes(usd_per_hour=dropped, running=plan.counts())
+    stay = sum(i.count * replan.instance_usd_per_hour(i.template, i.region) for i in plan.instances)
+    fresh = solve_plan(problem.with_changes(usd_per_hour=dropped), gap_rel=EXACT).cost_usd_per_hour
+    cheapest = min(replan.instance_usd_per_hour(t, r) for t in replan.templates for r in replan.regions
+                   if replan.max_instances(t, r) > 0)
+    new = solve_plan(replan, gap_rel=EXACT)
+    assert new.objective_usd_per_hour <= stay + 1e-7
+    # Any plan that launches something pays at least K × the cheapest instance on top of the fresh optimum.
+    if stay - fresh < replan.churn_k * cheapest:
+        assert new.counts() == plan.counts()
+
+
+def test_infeasible_error_names_the_binding_model_and_nodes():
+    x = NodeConfig("X", 1)
+    t = synthetic_template("big-model", "prefill", NodeMultiset.of([x]), 100.0)
+    small = synthetic_template("small-model", "prefill", NodeMultiset.of([x]), 100.0)
+    problem = AllocationProblem("inf", (t, small), {("r1", x): 1.0}, {("r1", x): 4},
+                                {("big-model", "prefill"): 1000.0, ("small-model", "prefill"): 50.0})
+    with pytest.raises(InfeasibleError) as err:
+        solve_plan(problem)
+    text = str(err.value)
+    assert "big-model prefill needs 1,000 tokens/s, at most 400 is reachable" in text
+    # The LP needs 10 + 0.5 nodes of X for both demands; 4 are available.
+    assert "X:1 in r1: 10.5 nodes needed, 4 available (short 6.5)" in text
+    assert "small-model" not in text.split("Short even alone")[1].split("Binding")[0]
+    assert "--scarcity" in text
+
+
+def brute_force_scale(problem: AllocationProblem) -> float:
+    """Largest uniform fraction of demand an allocation reaches, by trying fractions on a fine grid."""
+    lo = 0.0
+    for s in [i / 400 for i in range(1, 401)]:
+        if brute_force(problem, scale=s) is not None:
+            lo = s
+    return lo
+
+
+@pytest.mark.parametrize("seed", [1, 3, 7, 8])
+def test_scarcity_modes_match_brute_force_and_meet_their_levels(seed):
+    problem = tiny(seed, regions=("r1",))
+    problem = problem.with_changes(demand_tokens_per_s={k: v * 4 for k, v in problem.demand_tokens_per_s.items()})
+    if brute_force(problem) is not None:
+        pytest.skip("feasible draw")
+    scaled = solve_plan(problem, scarcity_mode="scale", gap_rel=EXACT)
+    assert scaled.status == "scaled"
+    assert scaled.demand_scale == pytest.approx(brute_force_scale(problem), abs=1 / 400)
+    assert plan_violations(scaled, problem) == []
+    assert scaled.bottlenecks
+    fair = solve_plan(problem, scarcity_mode="fair", gap_rel=EXACT)
+    assert fair.status == "fair-share"
+    assert fair.demand_scale >= scaled.demand_scale - 1e-7
+    assert plan_violations(fair, problem) == []
+
+
+def test_fair_share_raises_models_that_can_go_higher():
+    x, y = NodeConfig("X", 1), NodeConfig("Y", 1)
+    a = synthetic_template("a", "prefill", NodeMultiset.of([x]), 100.0)
+    b = synthetic_template("b", "prefill", NodeMultiset.of([y]), 100.0)
+    problem = AllocationProblem("fair", (a, b), {("r", x): 1.0, ("r", y): 1.0}, {("r", x): 2, ("r", y): 5},
+                                {("a", "prefill"): 400.0, ("b", "prefill"): 400.0})
+    fair = solve_plan(problem, scarcity_mode="fair")
+    scaled = solve_plan(problem, scarcity_mode="scale")
+    # a is capped at 200/400 by its 2 X nodes; b has its own nodes and reaches full demand under fair share.
+    assert scaled.served_fraction() == {("a", "prefill"): 0.5, ("b", "prefill"): 0.5}
+    assert fair.served_fraction() == {("a", "prefill"): 0.5, ("b", "prefill"): 1.0}
+
+
+def test_lp_bound_is_a_lower_bound_and_gap_consistent():
+    problem, _ = feasible_random(3)
+    plan = solve_plan(problem)
+    assert plan.lp_bound_usd_per_hour <= plan.mip_bound_usd_per_hour + 1e-6
+    assert plan.mip_bound_usd_per_hour <= plan.objective_usd_per_hour + 1e-6
+    assert plan.gap == pytest.approx((plan.objective_usd_per_hour - plan.lp_bound_usd_per_hour)
+                                     / plan.objective_usd_per_hour)
+
+
+def test_homogeneous_baselines_only_use_one_configuration_per_instance():
+    problem, _ = feasible_random(4)
+    for plan in (plan_homo(problem), plan_cauchy(problem), plan_homo_ilp(problem)):
+        assert all(len(i.template.nodes.counts) == 1 for i in plan.instances)
+
+
+@pytest.mark.parametrize("seed,loose", [(30, True), (31, True), (33, False)])
+def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, loose, monkeypatch):
+    from coral_dagster.allocation import colgen, ilp
+    from coral_dagster.allocation.prune import prune_columns
+
+    problem, _ = feasible_random(seed)
+    if loose:  # availability that never binds: the per-group optima are the whole optimum
+        problem = problem.with_changes(available_nodes={k: v * 20 for k, v in problem.available_nodes.items()})
+    columns, _ = prune_columns(problem)
+    direct = ilp.min_cost(problem, columns, gap_rel=EXACT)
+    relaxed = ilp.min_cost(problem, columns, integer=False)
+    # Force the detour on these small instances, with few starting columns so pricing has work to do.
+    monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
+    monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
+    fast = colgen.solve_min_cost(problem, columns, gap_rel=EXACT)
+    assert fast.result.status == "optimal"
+    assert fast.result.objective == pytest.approx(direct.objective, rel=1e-7)
+    assert fast.lp_objective == pytest.approx(relaxed.objective, rel=1e-7)
+    assert fast.decomposed == loose

@@ -1,0 +1,156 @@
+"""Demand from the traces, demand mixes, the scenario glue, plans in DuckDB and the `coral plan` JSON."""
+
+from __future__ import annotations
+
+import csv
+import json
+from datetime import datetime
+
+import pytest
+from click.testing import CliRunner
+
+from coral_dagster import paths
+from coral_dagster.allocation import demand
+from coral_dagster.allocation.goodput import fluid_goodput
+from coral_dagster.allocation.inputs import scenario_problem
+from coral_dagster.allocation.planner import solve_plan
+from coral_dagster.allocation.storage import load_plan, store_plan
+from coral_dagster.allocation.synthetic import random_problem, synthetic_template
+from coral_dagster.catalog.nodes import NodeMultiset
+from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.errors import CoralError
+
+
+def csv_means(name: str) -> tuple[float, float, int, list[float]]:
+    """Means and arrival seconds read with the csv module, apart from the pandas path under test."""
+    path = paths.TRACES_DIR / demand.TRACE_FILES[name]
+    prompts, outputs, stamps = [], [], []
+    with open(path) as f:
+        for row in csv.DictReader(f):
+            prompts.append(int(row["ContextTokens"]))
+            outputs.append(int(row["GeneratedTokens"]))
+            stamps.append(datetime.fromisoformat(row["TIMESTAMP"][:26]))
+    t0 = min(stamps)
+    return (sum(prompts) / len(prompts), sum(outputs) / len(outputs), len(prompts),
+            [(s - t0).total_seconds() for s in stamps])
+
+
+@pytest.mark.parametrize("name,prompt,output", [("azure-conv", 1155, 211), ("azure-code", 2048, 28)])
+def test_trace_means_match_the_csv_and_the_published_figures(name, prompt, output):
+    mean_p, mean_o, n, arrivals = csv_means(name)
+    stats = demand.trace_stats(name)
+    assert stats.mean_prompt_tokens == pytest.approx(mean_p)
+    assert stats.mean_output_tokens == pytest.approx(mean_o)
+    assert stats.n_requests == n
+    assert round(stats.mean_prompt_tokens) == prompt and round(stats.mean_output_tokens) == output
+    # First window: arrivals in [0, 360 s) over the mean arrivals per 360 s.
+    first = sum(1 for a in arrivals if a < 360.0) / (n / max(arrivals) * 360.0)
+    assert demand.window_factors(name)[0] == pytest.approx(first, rel=1e-6)
+
+
+def test_scenario_demand_is_rate_times_mean_tokens_times_headroom():
+    scn = load_scenario("core")
+    problem = scenario_problem(scn, ())
+    for sm in scn.models:
+        mean_p, mean_o, _, _ = csv_means(sm.trace)
+        assert problem.demand_tokens_per_s[(sm.model, "prefill")] == pytest.approx(sm.rate_req_s * mean_p * 1.1)
+        assert problem.demand_tokens_per_s[(sm.model, "decode")] == pytest.approx(sm.rate_req_s * mean_o * 1.1)
+    assert problem.churn_k == pytest.approx(10 / 6)
+
+
+def test_demand_mixes_keep_the_total_and_send_80_percent_to_the_heavy_third():
+    rates = {f"m{i}": 25.0 for i in range(6)}
+    params = {f"m{i}": float(i + 1) for i in range(6)}
+    large = demand.mix_rates(rates, params, "large-heavy")
+    small = demand.mix_rates(rates, params, "small-heavy")
+    assert sum(large.values()) == pytest.approx(150.0) and sum(small.values()) == pytest.approx(150.0)
+    assert large["m5"] + large["m4"] == pytest.approx(120.0) and large["m0"] == pytest.approx(7.5)
+    assert small["m0"] + small["m1"] == pytest.approx(120.0) and small["m5"] == pytest.approx(7.5)
+    assert demand.mix_rates(rates, params, "uniform") == rates
+    with pytest.raises(CoralError):
+        demand.mix_rates(rates, params, "heavy")
+
+
+def test_core_large_heavy_sends_80_percent_to_qwen3_32b():
+    scn = load_scenario("core")
+    problem = scenario_problem(scn, (), demand_mix="large-heavy")
+    mean_p = demand.trace_stats("azure-conv").mean_prompt_tokens
+    assert problem.demand_tokens_per_s[("qwen3-32b", "prefill")] == pytest.approx(24.0 * mean_p * 1.1)
+
+
+def test_plans_round_trip_through_duckdb(tmp_path):
+    from coral_dagster.store import Store
+
+    store = Store(tmp_path / "plans.duckdb")
+    problem = random_problem(3, avail_range=(2, 8))
+    plan = solve_plan(problem)
+    first = store_plan(store, plan, "run-a", {"scenario": "random"})
+    second = store_plan(store, plan, "run-b", {"scenario": "random"})
+    assert first != second
+    assert load_plan(store, first) == plan
+    assert load_plan(store, "latest") == plan
+    rows = store.query("SELECT plan_id, count(*) AS n, sum(count * usd_per_hour) AS cost FROM plan_instances "
+                       "GROUP BY plan_id ORDER BY plan_id")
+    assert list(rows["n"]) == [len(plan.instances)] * 2
+    assert rows["cost"].iloc[0] == pytest.approx(plan.cost_usd_per_hour)
+    with pytest.raises(CoralError, match="not in"):
+        load_plan(store, "nope")
+
+
+def test_store_plan_writes_nothing_when_the_transaction_fails(tmp_path, monkeypatch):
+    from coral_dagster.allocation import storage
+    from coral_dagster.store import Store
+
+    store = Store(tmp_path / "plans.duckdb")
+    plan = solve_plan(random_problem(3, avail_range=(2, 8)))
+    real = storage.plan_frames
+
+    def broken(*args, **kwargs):
+        plans, instances = real(*args, **kwargs)
+        return plans, instances.assign(count="not a number")
+
+    store_plan(store, plan, "ok", {})
+    monkeypatch.setattr(storage, "plan_frames", broken)
+    with pytest.raises(Exception):
+        store_plan(store, plan, "bad", {})
+    assert list(store.query("SELECT run_id FROM plans")["run_id"]) == ["ok"]
+
+
+def test_fluid_goodput_counts_the_scarcer_phase_without_headroom():
+    x = NodeMultiset.parse("1xL4:1")
+    problem = random_problem(1).with_changes(
+        templates=(synthetic_template("m0", "prefill", x, 100.0), synthetic_template("m0", "decode", x, 10.0)),
+        demand_tokens_per_s={("m0", "prefill"): 110.0, ("m0", "decode"): 22.0})
+    plan = solve_plan(problem, scarcity_mode="scale")
+    g = fluid_goodput(plan, headroom=1.1)
+    served = plan.served_tokens_per_s
+    frac = min(1.0, served[("m0", "prefill")] / 100.0, served[("m0", "decode")] / 20.0)
+    assert g.per_model["m0"] == pytest.approx(frac)
+    assert g.tokens_per_s == pytest.approx(frac * 120.0)
+
+
+def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
+    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.cli.plan import plan
+
+    scn = load_scenario("core")
+    templates = []
+    for sm in scn.models:
+        for node in scn.node_configs:
+            for phase, slo, tps in (("prefill", sm.prefill_slo_ms, 3000.0 * node.count),
+                                    ("decode", sm.decode_slo_ms, 400.0 * node.count)):
+                templates.append(synthetic_template(sm.model, phase, NodeMultiset.of([node]), tps, slo_ms=slo))
+    monkeypatch.setattr(scenario_plans, "library_templates", lambda scenario, db_path=None: tuple(templates))
+    db = str(tmp_path / "cli.duckdb")
+    result = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.output)
+    for key in ("method", "status", "cost_usd_per_hour", "lp_bound_usd_per_hour", "gap", "solve_s", "instances",
+                "served", "plan_id"):
+        assert key in doc
+    assert {"model", "phase", "region", "nodes", "count", "tokens_per_s"} <= set(doc["instances"][0])
+    assert doc["status"] == "optimal"
+    again = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--running", "latest", "--json"])
+    assert json.loads(again.output)["instances"] == doc["instances"]
+    scarce = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--availability-scale", "0.05"])
+    assert scarce.exit_code != 0 and "--scarcity" in str(scarce.exception)

@@ -1,0 +1,40 @@
+"""A plan holds its SLOs at its planned rate: the simulator (an independent event-driven model) is the oracle."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from coral_dagster import paths
+from coral_dagster.allocation.scenario_plans import plan_scenario
+from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.simulator.simulate import simulate_plan
+from coral_dagster.templates.library import build_library
+
+MODELS = ("gpt-oss-20b", "phi-4")
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    doc = yaml.safe_load((paths.SCENARIOS_DIR / "core.yaml").read_text())
+    doc["models"] = [m for m in doc["models"] if m["model"] in MODELS]
+    path = tmp_path_factory.mktemp("scenario") / "core-two.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    scn = load_scenario(path)
+    return scn, plan_scenario(scn, templates=build_library(scn, models=list(MODELS)))
+
+
+def test_poisson_at_the_planned_rate_meets_the_slo(planned):
+    scn, plan = planned
+    res = simulate_plan(plan, scn, trace="poisson", duration_s=240, seed=1)
+    for model in MODELS:
+        assert res.attainment_by_model[model] >= 0.95, (model, res.attainment_by_model)
+
+
+def test_twice_the_planned_rate_does_not(planned):
+    scn, plan = planned
+    res = simulate_plan(plan, scn, trace="poisson", duration_s=240, seed=1, rate_scale=2.0)
+    # The plan is sized for the rate, not far beyond it: at 2× some model falls well below its SLO (measured at
+    # seeds 0-2: phi-4 74% / 57% / 48%; whole nodes leave gpt-oss-20b spare room, 93-98%).
+    assert min(res.attainment_by_model.values()) < 0.8, res.attainment_by_model
+    assert res.attainment < 0.9, res.attainment
