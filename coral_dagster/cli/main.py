@@ -7,7 +7,7 @@ import sys
 
 import click
 
-from coral_dagster.cli import catalog, launch, profile, run, serve, simulate, templates
+from coral_dagster.cli import catalog, launch, plan, profile, run, serve, simulate, templates
 from coral_dagster.errors import CoralError
 
 
@@ -39,6 +39,8 @@ main.add_command(catalog.cli, "catalog")
 main.add_command(run.cli, "run")
 main.add_command(profile.cli, "profile")
 main.add_command(templates.cli, "templates")
+main.add_command(plan.plan, "plan")
+main.add_command(plan.bench, "bench")
 main.add_command(launch.launch, "launch")
 main.add_command(serve.serve, "serve")
 main.add_command(serve.generate, "generate")
