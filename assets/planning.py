@@ -80,16 +80,24 @@ def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb
     from coral_dagster.planning import plan_round
     from coral_dagster.plots import cost_by_model_png, markdown_image
 
+    from coral_dagster.errors import InfeasibleError
+
     store, scenario = duckdb.store(), load_scenario(config.scenario)
     plans = {"coral": load_plan(store, "latest", scenario=scenario.name, method="coral")}
+    failed = {}
     for method in BASELINES:
-        plans[method] = plan_round(store, scenario, method, scarcity=config.scarcity or None,
-                                   time_limit_s=solver.time_limit_s, run_id=context.run_id).plan
+        try:
+            plans[method] = plan_round(store, scenario, method, scarcity=config.scarcity or None,
+                                       time_limit_s=solver.time_limit_s, run_id=context.run_id).plan
+        except InfeasibleError as exc:  # a baseline that cannot serve the demand is a result, not a failure
+            context.log.warning("%s: %s", method, exc)
+            failed[method] = str(exc)
     coral = plans["coral"].cost_usd_per_hour
     table = "| method | $/h | × Coral | status |\n|---|---|---|---|\n" + "\n".join(
-        f"| {m} | {p.cost_usd_per_hour:,.2f} | {p.cost_usd_per_hour / coral:.2f} | {p.status} |"
-        for m, p in plans.items())
+        [f"| {m} | {p.cost_usd_per_hour:,.2f} | {p.cost_usd_per_hour / coral:.2f} | {p.status} |"
+         for m, p in plans.items()] + [f"| {m} | – | – | cannot meet demand |" for m in failed])
     return dg.MaterializeResult(metadata={
         "cost_vs_baselines": dg.MetadataValue.md(table),
+        "infeasible": dg.MetadataValue.json(failed),
         "cost_by_model": dg.MetadataValue.md(markdown_image(cost_by_model_png(plans), "cost per model")),
     })
