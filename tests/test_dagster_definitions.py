@@ -51,3 +51,19 @@ def test_sensor_skips_until_inputs_exist_then_requests_one_run_per_new_input(tmp
     store_demand(store, scenario, {m.model: 2 * m.rate_req_s for m in scenario.models}, "uniform")
     fresh = reallocation_sensor(_context(path, cursor=ctx.cursor))
     assert isinstance(fresh, dg.RunRequest) and fresh.run_key != request.run_key
+
+
+def test_dagster_cli_validates_the_workspace(tmp_path):
+    """`dagster definitions validate` from the repository root, as a user would run it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    dagster = Path(sys.executable).with_name("dagster")
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path), "CORAL_DB": str(tmp_path / "c.duckdb")}
+    out = subprocess.run([str(dagster), "definitions", "validate", "-w", "workspace.yaml"], cwd=root, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "All code locations passed validation" in out.stdout + out.stderr
