@@ -87,7 +87,7 @@ def test_materialize_core_pipeline_from_the_ui(dagster_dev):
                 page.goto(f"{url}/assets/allocation_plan", wait_until="networkidle")
                 page.wait_for_timeout(2000)
                 text = page.inner_text("body")
-                if "cost_usd_per_hour" in text:
+                if "cost_usd_per_hour" in text and all(m in text for m in ("qwen3-32b", "gpt-oss-20b", "phi-4")):
                     break
                 time.sleep(5)
             page.screenshot(path=str(SHOT_DIR / "allocation_plan.png"), full_page=True)

@@ -291,7 +291,9 @@ def _solver(time_limit_s: float):
     import pulp
 
     if pulp.HiGHS(msg=False).available():
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0, threads=1)
+        # No `threads` option: HiGHS keeps one global scheduler per process, and asking another thread count
+        # than the first solve of the process used (the allocation ILP's default) makes every later solve fail.
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0)
 
 
