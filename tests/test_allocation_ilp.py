@@ -221,8 +221,8 @@ def test_infeasible_error_names_the_binding_model_and_nodes():
         solve_plan(problem)
     text = str(err.value)
     assert "big-model prefill needs 1,000 tokens/s, at most 400 is reachable" in text
-    # The LP needs 10 + 0.5 nodes of X for both demands; 4 are available.
-    assert "X:1 in r1: 10.5 nodes needed, 4 available (short 6.5)" in text
+    # 10 nodes for big-model and one whole node for small-model (C2's capped coefficients); 4 are available.
+    assert "X:1 in r1: 11.0 nodes needed, 4 available (short 7.0)" in text
     assert "small-model" not in text.split("Short even alone")[1].split("Binding")[0]
     assert "--scarcity" in text
 
@@ -300,3 +300,24 @@ def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, l
     assert fast.result.objective == pytest.approx(direct.objective, rel=1e-7)
     assert fast.lp_objective == pytest.approx(relaxed.objective, rel=1e-7)
     assert fast.decomposed == loose
+
+
+@pytest.mark.parametrize("seed", [40, 41])
+def test_column_generation_matches_the_direct_scarcity_models(seed, monkeypatch):
+    from coral_dagster.allocation import colgen, ilp
+    from coral_dagster.allocation.prune import prune_columns
+
+    problem, _ = feasible_random(seed)
+    problem = problem.with_changes(demand_tokens_per_s={k: 3 * v for k, v in problem.demand_tokens_per_s.items()})
+    columns, _ = prune_columns(problem)
+    keys = [k for k, d in problem.demand_tokens_per_s.items() if d > 0]
+    level = ilp.max_level(problem, columns, {"all": keys}, gap_rel=EXACT)
+    sigma = ilp.availability_scale_lp(problem, columns)
+    elastic = ilp.min_cost(problem, columns, integer=False, overflow_weight=1000.0)
+    monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
+    monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
+    fast = colgen.solve_max_level(problem, columns, {"all": keys}, gap_rel=EXACT)
+    assert fast.status == "optimal"
+    assert fast.objective == pytest.approx(level.objective, rel=1e-7, abs=1e-9)
+    assert colgen.min_availability_scale(problem, columns) == pytest.approx(sigma.objective, rel=1e-7)
+    assert colgen.elastic_lp(problem, columns, 1000.0).objective == pytest.approx(elastic.objective, rel=1e-7)

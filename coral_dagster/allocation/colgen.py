@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -32,6 +32,7 @@ from coral_dagster.allocation.prune import PHASE_CODE, Column, prepare
 from coral_dagster.errors import CoralError
 
 INITIAL_PER_KEY = 24
+FIRST_PER_GROUP = 300
 ADD_PER_ROUND = 200
 FALLBACK_THETA = 0.02
 TOL = 1e-9
@@ -99,9 +100,11 @@ def _data(problem: AllocationProblem, columns: Sequence[Column]) -> _Data:
                  np.array([c.template.tokens_per_s for c in columns], dtype=np.float64), price, running)
 
 
-def _demand_matrix(problem: AllocationProblem, d: _Data) -> tuple[list[DemandKey], sparse.csr_matrix]:
-    """C2 over the columns, rows divided by D_m; an aggregated column serves both phases of its model (output
-    tokens to decode, the trace's prompt tokens per output token to prefill)."""
+def _demand_matrix(problem: AllocationProblem, d: _Data,
+                   targets: Mapping[DemandKey, float] | None = None) -> tuple[list[DemandKey], sparse.csr_matrix]:
+    """C2 over the columns as `ilp.min_cost` writes it: rows divided by D_m, coefficients capped at the row's
+    target; an aggregated column serves both phases of its model (output tokens to decode, the trace's prompt
+    tokens per output token to prefill)."""
     keys = [key for key, dm in sorted(problem.demand_tokens_per_s.items()) if dm > 0]
     n = len(d.price)
     row = np.full((len(d.models), 2), -1, dtype=np.int64)
@@ -128,8 +131,10 @@ def _demand_matrix(problem: AllocationProblem, d: _Data) -> tuple[list[DemandKey
             rr.append(target_row[ok])
             cc.append(cols[ok])
             vv.append(d.tokens_per_s[ok] * factor[ok] / demand[d.model_idx[ok], phase])
-    return keys, sparse.csr_matrix((np.concatenate(vv), (np.concatenate(rr), np.concatenate(cc))),
-                                   shape=(len(keys), n))
+    rows_all = np.concatenate(rr)
+    caps = np.array([1.0 if targets is None else targets.get(k, 1.0) for k in keys])
+    vals = np.minimum(np.concatenate(vv), caps[rows_all]) if len(keys) else np.zeros(0)
+    return keys, sparse.csr_matrix((vals, (rows_all, np.concatenate(cc))), shape=(len(keys), n))
 
 
 def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], sparse.csr_matrix]:
@@ -186,30 +191,15 @@ def _fits(problem: AllocationProblem, d: _Data, values: np.ndarray) -> bool:
     return all(h <= problem.available_nodes.get(name, 0) + 1e-7 for name, h in zip(names, held))
 
 
-def _lp(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
-        split: Sequence[int] | None):
-    """The LP relaxation by column generation: (result over `subset`, subset, reduced costs or None, rounds)."""
-    n = len(columns)
-    keys, a_dem = _demand_matrix(problem, d)
-    names, a_avail = _avail_matrix(d, split)
-    k = ilp.churn_factor(problem)
-    cost = d.price * np.where(d.running > 0, 1.0, 1.0 + k)
-    chosen = {int(j) for j in np.nonzero(d.running > 0)[0]}
-    per_key = []
-    for i in range(len(keys)):
-        row = a_dem.getrow(i)
-        eff = row.data / np.maximum(cost[row.indices], TOL)
-        chosen.update(int(j) for j in row.indices[np.argsort(-eff, kind="stable")[:INITIAL_PER_KEY]])
-        per_key.append(float(np.max(cost[row.indices] / row.data)) if row.nnz else 1.0)
-    # Unmet demand is priced far above serving it with the dearest column, so it is used only when needed.
-    slack_usd = 100.0 * (sum(per_key) + 1.0)
+def _generate(n: int, cost: np.ndarray, keys, a_dem, names, a_avail, chosen: set[int], solve_subset,
+              deadline: float):
+    """Column generation: solve over `chosen`, price every column with the duals, add the most negative reduced
+    costs, repeat until none is negative. Returns (result over subset, subset, reduced costs, rounds)."""
     rounds = 0
     while True:
         rounds += 1
         subset = sorted(chosen)
-        lp = ilp.min_cost(problem, [columns[j] for j in subset], targets, integer=False,
-                          time_limit_s=max(1.0, deadline - time.perf_counter()), slack_usd=slack_usd,
-                          split=split[subset].tolist() if split is not None else None)
+        lp = solve_subset(subset, max(1.0, deadline - time.perf_counter()))
         if lp.status != "optimal":
             return lp, subset, None, rounds
         pi_a = np.array([lp.row_duals.get(("avail",) + name, 0.0) for name in names])
@@ -219,16 +209,140 @@ def _lp(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets
         pricing[subset] = np.inf
         scale = max(1.0, abs(lp.objective))
         entering = [int(j) for j in np.argsort(pricing, kind="stable")[:ADD_PER_ROUND] if pricing[j] < -TOL * scale]
-        if not entering:
-            break
+        if not entering or len(chosen) == n:
+            return lp, subset, reduced, rounds
         chosen.update(entering)
-    if any(v > 1e-9 for v in (lp.overflow or {}).values()):
+
+
+def _best_per_key(a_dem: sparse.csr_matrix, weight: np.ndarray) -> set[int]:
+    """The INITIAL_PER_KEY columns of each demand row that give the most per unit of `weight`."""
+    out: set[int] = set()
+    for i in range(a_dem.shape[0]):
+        row = a_dem.getrow(i)
+        eff = row.data / np.maximum(weight[row.indices], TOL)
+        out.update(int(j) for j in row.indices[np.argsort(-eff, kind="stable")[:INITIAL_PER_KEY]])
+    return out
+
+
+def _lp(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
+        split: np.ndarray | None):
+    """The LP relaxation of `ilp.min_cost` by column generation: (result over subset, subset, reduced costs or
+    None when it had to be settled on all columns, rounds)."""
+    n = len(columns)
+    keys, a_dem = _demand_matrix(problem, d, targets)
+    names, a_avail = _avail_matrix(d, split)
+    k = ilp.churn_factor(problem)
+    cost = d.price * np.where(d.running > 0, 1.0, 1.0 + k)
+    chosen = {int(j) for j in np.nonzero(d.running > 0)[0]} | _best_per_key(a_dem, cost)
+    per_key = [float(np.max(cost[a_dem.getrow(i).indices] / a_dem.getrow(i).data)) if a_dem.getrow(i).nnz
+               else 1.0 for i in range(len(keys))]
+    # Unmet demand is priced far above serving it with the dearest column, so it is used only when needed.
+    slack_usd = 100.0 * (sum(per_key) + 1.0)
+
+    def solve_subset(subset, limit):
+        return ilp.min_cost(problem, [columns[j] for j in subset], targets, integer=False, time_limit_s=limit,
+                            slack_usd=slack_usd, split=split[subset].tolist() if split is not None else None)
+
+    lp, subset, reduced, rounds = _generate(n, cost, keys, a_dem, names, a_avail, chosen, solve_subset, deadline)
+    if lp.status == "optimal" and any(v > 1e-9 for v in (lp.overflow or {}).values()):
         # The elastic restricted LP could not meet demand: decide on the full LP, no shortcuts.
         full = ilp.min_cost(problem, columns, targets, integer=False,
                             time_limit_s=max(1.0, deadline - time.perf_counter()),
                             split=split.tolist() if split is not None else None)
         return full, list(range(n)), None, rounds
     return lp, subset, reduced, rounds
+
+
+def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Mapping[str, Sequence[DemandKey]],
+                    fixed: Mapping[str, float] | None = None, *, integer: bool = True, cap: float = 1.0,
+                    time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> ilp.SolveResult:
+    """`ilp.max_level` over all columns by column generation and reduced-cost fixing (module docstring), the
+    maximisation read as minimising −t. Values come back for every column."""
+    n = len(columns)
+    if n <= DIRECT_MAX:
+        return ilp.max_level(problem, columns, groups, fixed, integer=integer, cap=cap, time_limit_s=time_limit_s,
+                             gap_rel=gap_rel)
+    deadline = time.perf_counter() + time_limit_s
+    d = _data(problem, columns)
+    keys, a_dem = _demand_matrix(problem, d, {k: cap for k in problem.demand_tokens_per_s})
+    names, a_avail = _avail_matrix(d, None)
+    chosen = _best_per_key(a_dem, d.use.sum(axis=1).astype(float))
+
+    def solve_subset(subset, limit, mip=False):
+        return ilp.max_level(problem, [columns[j] for j in subset], groups, fixed, integer=mip, cap=cap,
+                             time_limit_s=limit, gap_rel=gap_rel)
+
+    lp, subset, reduced, _ = _generate(n, np.zeros(n), keys, a_dem, names, a_avail, chosen, solve_subset, deadline)
+    if lp.status != "optimal":
+        return lp
+    if not integer:
+        values = np.zeros(n)
+        values[subset] = lp.values
+        return replace(lp, values=tuple(values.tolist()))
+    level_lp = lp.objective
+    theta = float(np.sort(reduced)[min(FIRST_PER_GROUP, n) - 1])
+    tol = TOL * max(1.0, abs(level_lp))
+    proven = False
+    while True:
+        keep = sorted(set(subset) | {int(j) for j in np.nonzero(reduced <= theta)[0]})
+        mip = solve_subset(keep, max(0.5, deadline - time.perf_counter()), mip=True)
+        if mip.status in ("infeasible", "no-solution"):
+            if len(keep) == n:
+                return mip
+            theta = max(theta * 4, FALLBACK_THETA * max(1.0, abs(level_lp)))
+            continue
+        # Any plan using a column with reduced cost d reaches at most level_lp − d.
+        needed = level_lp - mip.objective + tol
+        if needed <= theta or len(keep) == n:
+            proven = True
+            break
+        if time.perf_counter() >= deadline:
+            break
+        theta = needed
+    values = np.zeros(n)
+    values[keep] = mip.values
+    status = mip.status if proven else "feasible-time-limit"
+    bound = mip.bound if proven else max(mip.bound, level_lp - theta)
+    return replace(mip, status=status, values=tuple(values.tolist()), bound=min(bound, level_lp))
+
+
+def elastic_lp(problem: AllocationProblem, columns: Sequence[Column], overflow_weight: float, *,
+               time_limit_s: float = 30.0) -> ilp.SolveResult:
+    """`ilp.min_cost`'s LP with elastic availability (`overflow_weight`), by column generation."""
+    n = len(columns)
+    if n <= DIRECT_MAX:
+        return ilp.min_cost(problem, columns, integer=False, overflow_weight=overflow_weight,
+                            time_limit_s=time_limit_s)
+    deadline = time.perf_counter() + time_limit_s
+    d = _data(problem, columns)
+    keys, a_dem = _demand_matrix(problem, d)
+    names, a_avail = _avail_matrix(d, None)
+    cost = d.price * (1.0 + ilp.churn_factor(problem) * (d.running == 0))
+
+    def solve_subset(subset, limit):
+        return ilp.min_cost(problem, [columns[j] for j in subset], integer=False, overflow_weight=overflow_weight,
+                            time_limit_s=limit)
+
+    return _generate(n, cost, keys, a_dem, names, a_avail, _best_per_key(a_dem, cost), solve_subset, deadline)[0]
+
+
+def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column], *,
+                           time_limit_s: float = 30.0) -> float:
+    """σ* of `ilp.availability_scale_lp` over all columns, by column generation; inf when no σ serves demand."""
+    if not columns:
+        return math.inf
+    deadline = time.perf_counter() + time_limit_s
+    d = _data(problem, columns)
+    keys, a_dem = _demand_matrix(problem, d)
+    names, a_avail = _avail_matrix(d, None)
+    chosen = _best_per_key(a_dem, d.use.sum(axis=1).astype(float))
+
+    def solve_subset(subset, limit):
+        return ilp.availability_scale_lp(problem, [columns[j] for j in subset], time_limit_s=limit)
+
+    lp = _generate(len(columns), np.zeros(len(columns)), keys, a_dem, names, a_avail, chosen, solve_subset,
+                   deadline)[0]
+    return float(lp.objective) if lp.status == "optimal" else math.inf
 
 
 def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
@@ -274,45 +388,39 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         return _finish(problem, columns, d, mip, list(range(n)), z_lp, lp_values, n, rounds, math.inf, split,
                        n_groups, targets, deadline)
     running = {int(j) for j in np.nonzero(d.running > 0)[0]}
-    first = sorted(set(subset) | running)
-    seed = ilp.min_cost(problem, [columns[j] for j in first], targets,
-                        time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
-                        split=split[first].tolist() if split is not None else None)
+    first = set(subset) | running
+    # A first plan from the columns the LP touched and each group's FIRST_PER_GROUP smallest reduced costs.
+    theta = np.array([np.sort(reduced[labels == g])[min(FIRST_PER_GROUP, int((labels == g).sum())) - 1]
+                      if (labels == g).any() else 0.0 for g in range(n_labels)])
     tol = TOL * max(1.0, abs(z_lp))
-    if seed.status in ("infeasible", "no-solution"):
-        if split is not None:
-            return None
-        theta = np.full(n_labels, max(FALLBACK_THETA * abs(z_lp), 1e-6))
-        seeded = False
-    else:
-        seed_values = np.zeros(n)
-        seed_values[first] = seed.values
-        z_seed_group = np.bincount(labels, _objective_per_column(problem, d, seed_values), minlength=n_labels)
-        theta = z_seed_group - z_lp_group + tol
-        seeded = True
+    proven_at = None
     while True:
-        keep = sorted(set(first) | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
-        if seeded and len(keep) == len(first) and seed.status == "optimal":
-            mip = seed  # no column outside the first set can beat it
-            break
+        keep = sorted(first | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
                            time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
                            split=split[keep].tolist() if split is not None else None)
-        if mip.status in ("infeasible", "no-solution") and len(keep) < n and not seeded:
-            theta = theta * 4
+        if mip.status in ("infeasible", "no-solution"):
+            if len(keep) == n or (split is not None and mip.status == "no-solution"):
+                break
+            theta = np.maximum(theta * 4, FALLBACK_THETA * abs(z_lp))
             continue
-        if mip.status in ("infeasible", "no-solution") or len(keep) == n or split is not None:
+        values = np.zeros(n)
+        values[keep] = mip.values
+        gap_g = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels) - z_lp_group
+        needed = gap_g + tol if split is not None else np.full(n_labels, mip.objective - z_lp + tol)
+        # Every column with reduced cost up to what this plan leaves above the LP bound was in the ILP: optimal.
+        if np.all(needed <= theta) or len(keep) == n:
+            proven_at = theta
             break
-        needed = mip.objective - z_lp + tol
-        if needed <= theta[0] or time.perf_counter() >= deadline:
+        if time.perf_counter() >= deadline:
             break
-        theta = np.full(n_labels, needed)
-    return _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds,
-                   float(theta.max()), split, n_groups, targets, deadline)
+        theta = np.maximum(theta, needed)
+    return _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
+                   split, n_groups, targets, deadline, proven_at is not None)
 
 
 def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,
-            deadline) -> MinCostSolve | None:
+            deadline, proven: bool = True) -> MinCostSolve | None:
     n = len(columns)
     if mip.status in ("infeasible", "no-solution"):
         if split is not None and mip.status == "no-solution":
@@ -327,9 +435,9 @@ def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds,
         if not _fits(problem, d, lp_values):
             whole, _, _, _ = _lp(problem, columns, d, targets, deadline, None)
             z_lp = whole.objective if whole.status == "optimal" else z_lp
-    # Fixing is exact when the ILP's optimum needs no column beyond the threshold it was run with.
-    proven = split is not None or mip.objective - z_lp <= theta + TOL * max(1.0, abs(z_lp)) or len(keep) == n
-    bound = mip.bound if len(keep) == n or split is not None else min(mip.bound, z_lp + theta)
+    # Fixing is exact when the plan found leaves no more above the LP bound than the threshold the ILP ran with.
+    proven = proven or len(keep) == n
+    bound = mip.bound if proven else min(mip.bound, z_lp + theta)
     status = mip.status if proven else "feasible-time-limit"
     result = ilp.SolveResult(status, tuple(values.tolist()), mip.objective, max(bound, min(z_lp, mip.objective)),
                              mip.solve_s)

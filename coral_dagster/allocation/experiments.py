@@ -1,9 +1,11 @@
 """The allocation benchmark: every method on the same inputs in the paper's settings, and Helix on its cluster.
 
 Settings (coral.md §6): `core` and `extended` with default demand; imbalanced demand (80% of requests to the
-largest or smallest third of the models); scarcity, where every availability is scaled to 25% or 75% above the
-least that serves the estimated demand (σ*, the LP over Coral's templates; availability ⌈1.25·σ*·A⌉ and
-⌈1.75·σ*·A⌉ nodes per offer), planned with uniform demand scaling; re-planning every 6 minutes over 30 minutes with each
+largest or smallest third of the models); scarcity, where the offered availability is 25% or 75% above what the
+estimated demand needs, planned with uniform demand scaling. "What it needs" is σ*·A, σ* the least uniform
+scale of the availability A at which the LP over Coral's templates serves the demand; scaling A itself down
+rounds 16 nodes per offer to 1 or 2 and loses the setting, so the demand is scaled up by 1/(1.25·σ*) or
+1/(1.75·σ*) instead (the LP's σ* is linear in demand, so the ratio of availability to need is the same); re-planning every 6 minutes over 30 minutes with each
 model's rate following its trace window by window (churn against the running plan for the ILP methods; the
 greedy baselines re-plan from scratch); and Helix vs Coral on Helix's fixed cluster.
 """
@@ -22,7 +24,7 @@ from typing import Callable, Iterable, Sequence
 from coral_dagster.allocation.demand import window_rates
 from coral_dagster.allocation.baselines import plan_cauchy, plan_homo
 from coral_dagster.allocation.goodput import GoodputEstimator, fluid_goodput
-from coral_dagster.allocation.ilp import min_availability_scale
+from coral_dagster.allocation.colgen import min_availability_scale
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import ALLOCATION_METHODS, make_plan
 from coral_dagster.allocation.prune import prune_columns
@@ -231,12 +233,10 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
             sigma = scarcity_scale(scenario, templates)
             libraries[name]["sigma_star"] = sigma
             for head in SCARCITY_HEADROOM:
-                scarce = problem.with_changes(available_nodes={
-                    k: math.ceil(head * sigma * v - 1e-9) for k, v in problem.available_nodes.items()})
+                factor = 1.0 / (head * sigma)
+                scarce = problem.with_changes(demand_tokens_per_s=problem.scaled_demand(factor))
                 rows += _run_methods(f"scarcity:+{round((head - 1) * 100)}%", scenario, scarce, config, goodput,
-                                     scarcity_mode="scale", extra={
-                                         "availability_scale": head * sigma,
-                                         "nodes_per_offer": sorted(set(scarce.available_nodes.values()))})
+                                     scarcity_mode="scale", extra={"demand_factor": factor})
         if "replan" in config.settings:
             summary, detail = replan_rows(scenario, templates, config, goodput)
             replan_summary += summary

@@ -17,11 +17,13 @@ Objective
     minimise  Σ_r Σ_τ p_r(τ) ν_r(τ) + I_r(τ)
 Constraints
     C1 availability   Σ_τ U_c(τ) ν_r(τ) ≤ A_r(c)                  ∀ r, c
-    C2 demand         Σ_r Σ_τ T_m(τ) ν_r(τ) ≥ s_m D_m             ∀ m   (rows divided by D_m for scaling)
+    C2 demand         Σ_r Σ_τ min(T_m(τ), s_m D_m) ν_r(τ) ≥ s_m D_m   ∀ m   (rows divided by D_m)
     C3 churn          I_r(τ) ≥ (ν_r(τ) − ν'_r(τ)) p_r(τ) K        ∀ r, τ
     C4 bounds         ν_r(τ) ≤ min_c ⌊A_r(c) / U_c(τ)⌋            ∀ r, τ
 
-Exact reformulations: where ν'_r(τ) = 0, C3 with the minimisation gives I = p K ν, so that penalty goes into
+Exact reformulations: C2's coefficients are capped at its right-hand side, which changes no integer solution
+(an instance covering the demand alone satisfies the row either way) and tightens the LP relaxation. Where
+ν'_r(τ) = 0, C3 with the minimisation gives I = p K ν, so that penalty goes into
 ν's cost and no I variable is made. With no running plan at all every plan's objective is (1 + K) Σ p ν, a
 constant factor, so it is dropped and the objective is the provisioning cost.
 
@@ -135,14 +137,22 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float):
     return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel)
 
 
-def _supply_terms(problem: AllocationProblem, columns: Sequence[Column]) -> dict[DemandKey, list[tuple[int, float]]]:
-    """Per demand key with D_m > 0: (column index, T_m(τ) / D_m)."""
+def _supply_terms(problem: AllocationProblem, columns: Sequence[Column],
+                  caps: Mapping[DemandKey, float] | float = 1.0) -> dict[DemandKey, list[tuple[int, float]]]:
+    """Per demand key with D_m > 0: (column index, min(T_m(τ) / D_m, cap_m)), cap_m the row's largest target.
+
+    Capping a coefficient at the right-hand side is exact for integers (one instance that covers the target
+    alone satisfies the row either way) and tightens the LP relaxation: a fraction of one huge instance no longer
+    passes for the whole demand of a small model.
+    """
     terms: dict[DemandKey, list[tuple[int, float]]] = {
         k: [] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
     for i, col in enumerate(columns):
         for key in problem.serves(col.template):
             if key in terms:
-                terms[key].append((i, problem.contribution(col.template, key[1]) / problem.demand_tokens_per_s[key]))
+                cap = caps if isinstance(caps, (int, float)) else caps.get(key, 1.0)
+                coef = problem.contribution(col.template, key[1]) / problem.demand_tokens_per_s[key]
+                terms[key].append((i, min(coef, cap)))
     return terms
 
 
@@ -250,7 +260,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
         prob.setObjective(pulp.LpAffineExpression(objective))
     # C2 demand
     short = {}
-    for key, terms in _supply_terms(problem, columns).items():
+    for key, terms in _supply_terms(problem, columns, targets if targets is not None else 1.0).items():
         target = 1.0 if targets is None else targets.get(key, 1.0)
         expr = [(nu[i], coef) for i, coef in terms]
         if slack_usd is not None:
@@ -298,7 +308,7 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
         _row(prob, rows, ("avail", region, node), pulp.LpConstraint(
             pulp.LpAffineExpression([(nu[i], kk) for i, kk in terms]), pulp.LpConstraintLE, None, avail))
     # C2 demand, at the group's level
-    supply = _supply_terms(problem, columns)
+    supply = _supply_terms(problem, columns, cap)
     group_of = {key: g for g, keys in groups.items() for key in keys}
     for key, terms in supply.items():
         g = group_of[key]
@@ -329,9 +339,9 @@ def supplied_fractions(problem: AllocationProblem, columns: Sequence[Column],
     return {k: served[k] / problem.demand_tokens_per_s[k] for k in served}
 
 
-def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column], *,
-                           time_limit_s: float = 30.0) -> float:
-    """The least σ with all demand servable (LP relaxation) when every A_r(c) becomes σ·A_r(c).
+def availability_scale_lp(problem: AllocationProblem, columns: Sequence[Column], *,
+                          time_limit_s: float = 30.0) -> SolveResult:
+    """LP: the least σ (the objective) with all demand servable when every A_r(c) becomes σ·A_r(c).
 
     C1 becomes Σ_τ U_c(τ) ν_r(τ) ≤ σ A_r(c); C4 is dropped (the bounds scale with σ); minimise σ.
     """
@@ -351,7 +361,4 @@ def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column]
     for key, terms in _supply_terms(problem, columns).items():
         _row(prob, rows, ("demand",) + key, pulp.LpConstraint(
             pulp.LpAffineExpression([(nu[i], coef) for i, coef in terms]), pulp.LpConstraintGE, None, 1.0))
-    result = _run(prob, nu, time_limit_s, 0.0, mip=False)
-    if result.status != "optimal":
-        return math.inf
-    return float(sigma.varValue)
+    return _run(prob, nu, time_limit_s, 0.0, False, rows)

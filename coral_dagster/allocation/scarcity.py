@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from coral_dagster.allocation import ilp
+from coral_dagster.allocation import colgen
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
 from coral_dagster.allocation.types import Bottleneck
@@ -46,18 +46,18 @@ def diagnose(problem: AllocationProblem, columns: Sequence[Column], *, integer: 
         own = [c for c in columns if key in alone.serves(c.template)]
         reach = 0.0
         if own:
-            r = ilp.max_level(alone, own, {"k": [key]}, integer=False, cap=1e6, time_limit_s=time_limit_s)
+            r = colgen.solve_max_level(alone, own, {"k": [key]}, integer=False, cap=1e6,
+                                       time_limit_s=time_limit_s)
             reach = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
         if reach < 1.0 - TOL:
             d = problem.demand_tokens_per_s[key]
             bottlenecks.append(Bottleneck("demand", f"{key[0]} {key[1]}", "", d, reach * d))
     joint = 0.0
     if columns:
-        r = ilp.max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s)
+        r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s)
         joint = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
     if columns and not any(b.kind == "demand" and b.available == 0 for b in bottlenecks):
-        r = ilp.min_cost(problem, columns, integer=integer, time_limit_s=time_limit_s,
-                         overflow_weight=OVERFLOW_WEIGHT)
+        r = colgen.elastic_lp(problem, columns, OVERFLOW_WEIGHT, time_limit_s=time_limit_s)
         if r.overflow:
             for (region, node), extra in sorted(r.overflow.items(), key=lambda kv: (-kv[1], kv[0])):
                 if extra > TOL:
@@ -70,7 +70,8 @@ def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, inte
                   time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[float, dict[DemandKey, float]]:
     """The paper's mode: the largest s ≤ 1 with s·D_m servable for every m at once; targets per key."""
     keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
-    r = ilp.max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s,
+                               gap_rel=gap_rel)
     level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
     return level, {k: level for k in keys}
 
@@ -89,8 +90,8 @@ def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer
         groups.setdefault(k[0], []).append(k)
     fixed: dict[str, float] = {}
     while len(fixed) < len(groups):
-        r = ilp.max_level(problem, columns, groups, fixed, integer=integer, time_limit_s=time_limit_s,
-                          gap_rel=gap_rel)
+        r = colgen.solve_max_level(problem, columns, groups, fixed, integer=integer, time_limit_s=time_limit_s,
+                                   gap_rel=gap_rel)
         level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
         free = [g for g in sorted(groups) if g not in fixed]
         if level >= 1.0 - TOL:
@@ -99,8 +100,8 @@ def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer
         stuck = []
         for g in free:
             held = {**fixed, **{o: level for o in free if o != g}}
-            rg = ilp.max_level(problem, columns, groups, held, integer=integer, time_limit_s=time_limit_s,
-                               gap_rel=gap_rel)
+            rg = colgen.solve_max_level(problem, columns, groups, held, integer=integer,
+                                        time_limit_s=time_limit_s, gap_rel=gap_rel)
             if rg.status not in ("optimal", "feasible-time-limit") or rg.level <= level + TOL:
                 stuck.append(g)
         fixed.update({g: level for g in (stuck or free)})
