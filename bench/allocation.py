@@ -24,10 +24,11 @@ def main() -> None:
     ap.add_argument("--scenarios", default="core,extended")
     ap.add_argument("--settings", default="default,imbalanced,scarcity,replan")
     ap.add_argument("--no-helix", action="store_true")
-    ap.add_argument("--helix-slo-ms", default=None, help="prefill,decode SLO override for the Helix comparison")
+    ap.add_argument("--helix-slo-ms", default="20000,1000",
+                    help="prefill,decode SLO (ms) of the Helix comparison; `scenario` keeps the scenario's")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    slo = tuple(float(x) for x in args.helix_slo_ms.split(",")) if args.helix_slo_ms else None
+    slo = None if args.helix_slo_ms == "scenario" else tuple(float(x) for x in args.helix_slo_ms.split(","))
     config = BenchConfig(scenarios=tuple(args.scenarios.split(",")), settings=tuple(args.settings.split(",")),
                          helix=not args.no_helix, helix_slo_ms=slo)
     doc = run_allocation_bench(library_templates, config, progress=lambda it, desc: tqdm(list(it), desc=desc))

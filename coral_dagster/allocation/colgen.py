@@ -13,7 +13,10 @@ Reduced-cost fixing. For any feasible plan ν, cost(ν) ≥ z_LP + Σ_j d_j ν_j
 bound), so once a plan of cost z is known no column with d_j > z − z_LP is in a cheaper one. A first plan comes
 from the ILP over the columns the LP touched; the ILP is then solved over every column with d_j ≤ z − z_LP, and
 its optimum is optimal for all columns. In the decomposed problem this holds per group, with each group's own
-z_g − z_LP,g, which keeps far fewer columns than the sum of the gaps would.
+z_g − z_LP,g, which keeps far fewer columns than the sum of the gaps would. A group whose threshold would keep
+more than MAX_PER_GROUP columns (churn makes the LP weak: it launches a fraction of a new instance) keeps its
+MAX_PER_GROUP smallest reduced costs; the plan is then optimal only when its gap fits that threshold, and is
+otherwise reported as unproven with the bound min(ILP bound, z_LP + threshold).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from coral_dagster.errors import CoralError
 
 INITIAL_PER_KEY = 24
 FIRST_PER_GROUP = 300
+MAX_PER_GROUP = 4000
 ADD_PER_ROUND = 200
 FALLBACK_THETA = 0.02
 TOL = 1e-9
@@ -287,7 +291,7 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
         keep = sorted(set(subset) | {int(j) for j in np.nonzero(reduced <= theta)[0]})
         mip = solve_subset(keep, max(0.5, deadline - time.perf_counter()), mip=True)
         if mip.status in ("infeasible", "no-solution"):
-            if len(keep) == n:
+            if len(keep) == n or time.perf_counter() >= deadline:
                 return mip
             theta = max(theta * 4, FALLBACK_THETA * max(1.0, abs(level_lp)))
             continue
@@ -390,33 +394,46 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     running = {int(j) for j in np.nonzero(d.running > 0)[0]}
     first = set(subset) | running
     # A first plan from the columns the LP touched and each group's FIRST_PER_GROUP smallest reduced costs.
-    theta = np.array([np.sort(reduced[labels == g])[min(FIRST_PER_GROUP, int((labels == g).sum())) - 1]
-                      if (labels == g).any() else 0.0 for g in range(n_labels)])
+    sorted_reduced = [np.sort(reduced[labels == g]) for g in range(n_labels)]
+    theta = np.array([r[min(FIRST_PER_GROUP, len(r)) - 1] if len(r) else 0.0 for r in sorted_reduced])
+    capped = False
     tol = TOL * max(1.0, abs(z_lp))
-    proven_at = None
+    proven = False
+    best = None  # (mip, keep, theta) of the cheapest plan found, kept when a larger ILP runs out of time
     while True:
         keep = sorted(first | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
                            time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
                            split=split[keep].tolist() if split is not None else None)
         if mip.status in ("infeasible", "no-solution"):
-            if len(keep) == n or (split is not None and mip.status == "no-solution"):
+            if best is not None or len(keep) == n or mip.status == "no-solution" or time.perf_counter() >= deadline:
                 break
             theta = np.maximum(theta * 4, FALLBACK_THETA * abs(z_lp))
             continue
+        if best is None or mip.objective < best[0].objective:
+            best = (mip, keep, theta)
         values = np.zeros(n)
         values[keep] = mip.values
         gap_g = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels) - z_lp_group
         needed = gap_g + tol if split is not None else np.full(n_labels, mip.objective - z_lp + tol)
         # Every column with reduced cost up to what this plan leaves above the LP bound was in the ILP: optimal.
         if np.all(needed <= theta) or len(keep) == n:
-            proven_at = theta
+            proven = mip.status == "optimal" or len(keep) == n
+            best = (mip, keep, theta)
             break
-        if time.perf_counter() >= deadline:
+        if time.perf_counter() >= deadline or capped:
             break
         theta = np.maximum(theta, needed)
+        # A group whose threshold would take more than MAX_PER_GROUP columns gets its MAX_PER_GROUP cheapest in
+        # reduced cost instead: one more ILP of bounded size, whose plan is then optimal or reported unproven.
+        limit = np.array([sorted_reduced[g][min(MAX_PER_GROUP, len(sorted_reduced[g])) - 1]
+                          if len(sorted_reduced[g]) else np.inf for g in range(n_labels)])
+        capped = bool(np.any(theta > limit))
+        theta = np.minimum(theta, limit)
+    if best is not None:
+        mip, keep, theta = best
     return _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
-                   split, n_groups, targets, deadline, proven_at is not None)
+                   split, n_groups, targets, deadline, proven)
 
 
 def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,

@@ -89,7 +89,8 @@ def mix_rates(rates: Mapping[str, float], params: Mapping[str, float], mix: str)
     return {m: out[m] for m in rates}
 
 
-def demand_tokens(rates: Mapping[str, float], traces: Mapping[str, str], headroom: float) -> dict[tuple[str, str], float]:
+def demand_tokens(rates: Mapping[str, float], traces: Mapping[str, str],
+                  headroom: float) -> dict[tuple[str, str], float]:
     """Demand per (model, phase) for request rates per model and each model's trace."""
     out = {}
     for model, rate in rates.items():

@@ -5,9 +5,10 @@ largest or smallest third of the models); scarcity, where the offered availabili
 estimated demand needs, planned with uniform demand scaling. "What it needs" is σ*·A, σ* the least uniform
 scale of the availability A at which the LP over Coral's templates serves the demand; scaling A itself down
 rounds 16 nodes per offer to 1 or 2 and loses the setting, so the demand is scaled up by 1/(1.25·σ*) or
-1/(1.75·σ*) instead (the LP's σ* is linear in demand, so the ratio of availability to need is the same); re-planning every 6 minutes over 30 minutes with each
-model's rate following its trace window by window (churn against the running plan for the ILP methods; the
-greedy baselines re-plan from scratch); and Helix vs Coral on Helix's fixed cluster.
+1/(1.75·σ*) instead (σ* is linear in demand, so the ratio of availability to need is the same). Re-planning
+every 6 minutes over 30 minutes with each model's rate following its trace window by window (churn priced
+against the running plan for the ILP methods; the greedy baselines re-plan from scratch). Helix vs Coral on
+Helix's fixed cluster.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable, Iterable, Sequence
 from coral_dagster.allocation.demand import window_rates
 from coral_dagster.allocation.baselines import plan_cauchy, plan_homo
 from coral_dagster.allocation.goodput import GoodputEstimator, fluid_goodput
-from coral_dagster.allocation.colgen import min_availability_scale
+from coral_dagster.allocation.colgen import min_availability_scale, solve_max_level
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import ALLOCATION_METHODS, make_plan
 from coral_dagster.allocation.prune import prune_columns
@@ -49,7 +50,10 @@ class BenchConfig:
     replan_horizon_min: float = 30.0
     helix: bool = True
     helix_time_limit_s: float = 120.0
-    helix_slo_ms: tuple[float, float] | None = None
+    # Helix publishes no SLO, and the scenario's 1500/80 ms cannot be met on this cluster by a 70B fp16 model
+    # (one layer's decode step takes 1.34 ms on an A100-40GB, 80 layers 107 ms): compare at a throughput-oriented
+    # SLO instead (prefill ms, decode ms per token); None keeps the scenario's.
+    helix_slo_ms: tuple[float, float] | None = (20000.0, 1000.0)
     settings: tuple[str, ...] = ("default", "imbalanced", "scarcity", "replan")
 
 
@@ -188,15 +192,20 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
         out["coral_min_cost"] = plan_row("helix", scenario.name, coral, goodput, scenario.headroom)
     except CoralError as exc:
         out["coral_min_cost"] = {"status": "error", "error": str(exc)}
-    # Coral's most throughput on the cluster: the uniform scarcity mode on a demand far above what fits.
+    # Coral's most throughput on the cluster: the largest common fraction of a demand far above what fits.
     big = problem.with_changes(demand_tokens_per_s=problem.scaled_demand(100.0))
-    try:
-        most = make_plan(big, "coral", scarcity_mode="scale", time_limit_s=config.helix_time_limit_s)
-        out["coral_max_throughput_req_s"] = most.demand_scale * 100.0 * scenario.models[0].rate_req_s * \
-            scenario.headroom
-        out["coral_max_throughput_cost_usd_per_hour"] = most.cost_usd_per_hour
-    except CoralError as exc:
-        out["coral_max_throughput_error"] = str(exc)
+    columns, _ = prune_columns(big)
+    keys = [k for k, d in big.demand_tokens_per_s.items() if d > 0]
+    t0 = time.perf_counter()
+    most = solve_max_level(big, columns, {"all": keys}, time_limit_s=config.helix_time_limit_s)
+    req_s = 100.0 * scenario.models[0].rate_req_s * scenario.headroom
+    if most.status in ("optimal", "feasible-time-limit"):
+        out["coral_max_throughput"] = {"status": most.status, "throughput_req_s": most.level * req_s,
+                                       "bound_req_s": min(1.0, most.bound) * req_s,
+                                       "solve_s": time.perf_counter() - t0,
+                                       "cost_usd_per_hour": sum(c.usd_per_hour * v for c, v in
+                                                                zip(columns, most.values))}
+        out["coral_max_throughput_req_s"] = most.level * req_s
     if out.get("coral_min_cost", {}).get("cost_usd_per_hour") and hplan.cost_usd_per_hour:
         out["coral_cost_saving_vs_helix"] = 1 - out["coral_min_cost"]["cost_usd_per_hour"] / hplan.cost_usd_per_hour
     if out.get("coral_max_throughput_req_s") and hres.throughput_req_s > 0:

@@ -19,8 +19,9 @@ Constraints
     H4 node capacity  Σ_j f[j,i] + f[s,i] ≤ Σ_k R_i(k)·b[i,k]                ∀ i           (N)
     H5 conservation   Σ_j f[j,i] + f[s,i] = Σ_j f[i,j] + f[i,t]              ∀ i           (N)
 Big-M implications use M = L + 1. The reported bound is the smaller of the solver's and the layer-work bound
-Σ_i max_k k·R_i(k) / L (every request needs L layer passes). A node's capacity is charged for all k layers it holds, as in Helix, even
-when a flow enters it past its first layer. `verify` re-checks a solution without the solver.
+Σ_i max_k k·R_i(k) / L (every request needs L layer passes). A node's capacity is charged for all k layers it
+holds, as in Helix, even when a flow enters it past its first layer. `verify` re-checks a solution without the
+solver.
 """
 
 from __future__ import annotations

@@ -4,33 +4,31 @@ Notation
     τ         a template (after lossless pruning), r a region, c a node configuration
     m         a demand key (model, phase), phase ∈ {prefill, decode}
     U_c(τ)    nodes of configuration c in τ
-    T_m(τ)    tokens/s one instance of τ gives m (its throughput; an aggregated template gives both phases
-              of its model, split by the model's prefill share of tokens)
+    T_m(τ)    tokens/s one instance of τ gives m: its throughput; an aggregated template (rated in output
+              tokens/s) gives that to decode and the trace's prompt tokens per output token times it to prefill
     p_r(τ)    Σ_c U_c(τ) p_r(c), $/h of one instance of τ in r
     A_r(c)    nodes of c available in r
     D_m       demanded tokens/s of m;  s_m the fraction of D_m to serve (1, or a scarcity level)
     ν'_r(τ)   instances running now;  K = node start-up time / re-plan interval
 Variables
-    ν_r(τ) ∈ ℤ≥0   instances of τ in r
-    I_r(τ) ≥ 0     churn penalty, $/h
+    ν_r(τ) ∈ ℤ, 0 ≤ ν_r(τ) ≤ min_c ⌊A_r(c) / U_c(τ)⌋   instances of τ in r (the bound follows from C1)
+    I_r(τ) ≥ 0                                          churn penalty, $/h
 Objective
     minimise  Σ_r Σ_τ p_r(τ) ν_r(τ) + I_r(τ)
 Constraints
-    C1 availability   Σ_τ U_c(τ) ν_r(τ) ≤ A_r(c)                  ∀ r, c
-    C2 demand         Σ_r Σ_τ min(T_m(τ), s_m D_m) ν_r(τ) ≥ s_m D_m   ∀ m   (rows divided by D_m)
-    C3 churn          I_r(τ) ≥ (ν_r(τ) − ν'_r(τ)) p_r(τ) K        ∀ r, τ
-    C4 bounds         ν_r(τ) ≤ min_c ⌊A_r(c) / U_c(τ)⌋            ∀ r, τ
+    C1 availability   Σ_τ U_c(τ) ν_r(τ) ≤ A_r(c)                         ∀ r, c
+    C2 demand         Σ_r Σ_τ min(T_m(τ), s_m D_m) ν_r(τ) ≥ s_m D_m      ∀ m   (rows divided by D_m)
+    C3 churn          I_r(τ) ≥ (ν_r(τ) − ν'_r(τ)) p_r(τ) K               ∀ r, τ
 
 Exact reformulations: C2's coefficients are capped at its right-hand side, which changes no integer solution
 (an instance covering the demand alone satisfies the row either way) and tightens the LP relaxation. Where
-ν'_r(τ) = 0, C3 with the minimisation gives I = p K ν, so that penalty goes into
-ν's cost and no I variable is made. With no running plan at all every plan's objective is (1 + K) Σ p ν, a
-constant factor, so it is dropped and the objective is the provisioning cost.
+ν'_r(τ) = 0, C3 with the minimisation gives I = p K ν, so that penalty goes into ν's cost and no I variable is
+made. With no running plan at all every plan's objective is (1 + K) Σ p ν, a constant factor, so it is dropped
+and the objective is the provisioning cost.
 
 Scarcity variant (`max_level`): demand keys are split into groups g (all keys: uniform scaling; one group per
 model: max-min fair share); s_m = f_g for m in g, f_g ≤ 1, f_g ≥ t for free groups and f_g ≥ its level for
-fixed ones; maximise t subject to C1, C2, C4 (no churn: serving more comes first).
-"""
+fixed ones; maximise t subject to C1 and C2 (no churn: serving more comes first)."""
 
 from __future__ import annotations
 
@@ -235,7 +233,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
     cat = pulp.LpInteger if integer else pulp.LpContinuous
     prob = pulp.LpProblem("coral_allocation", pulp.LpMinimize)
     k = churn_factor(problem)
-    # C4 bounds, with the integrality of ν (elastic: availability alone bounds ν)
+    # Variables ν with their bounds (elastic: availability alone bounds ν)
     nu = [prob.add_variable(f"nu_{i}", lowBound=0, upBound=None if overflow_weight else c.max_count, cat=cat)
           for i, c in enumerate(columns)]
     churn = {i: prob.add_variable(f"churn_{i}", lowBound=0) for i, c in enumerate(columns) if c.running and k > 0}
@@ -295,7 +293,7 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
     fixed = dict(fixed or {})
     cat = pulp.LpInteger if integer else pulp.LpContinuous
     prob = pulp.LpProblem("coral_scarcity", pulp.LpMaximize)
-    # C4 bounds, with the integrality of ν
+    # Variables ν with their bounds, the level t and the groups' fractions f_g
     nu = [prob.add_variable(f"nu_{i}", lowBound=0, upBound=c.max_count, cat=cat) for i, c in enumerate(columns)]
     t = prob.add_variable("level", lowBound=0, upBound=cap)
     frac = {g: prob.add_variable(f"frac_{j}", lowBound=fixed.get(g, 0.0), upBound=cap)

@@ -135,5 +135,7 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
 
 
 def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
+    rest = "provably unused" if cg.result.status == "optimal" else "not proven unused"
+    how = f"{cg.groups} independent groups" if cg.decomposed else "one coupled problem"
     return (f"LP relaxation by column generation: {cg.lp_columns} of {n_columns} columns, {cg.lp_rounds} rounds; "
-            f"ILP over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest provably unused)")
+            f"ILP ({how}) over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest {rest})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from coral_dagster.allocation.inputs import scenario_problem
+from coral_dagster.allocation.inputs import scenario_problem, scenario_templates
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
@@ -12,17 +12,25 @@ from coral_dagster.templates.types import Template
 
 
 def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[Template, ...]:
-    """The scenario's template library: from the DuckDB store when built there, else built now and stored."""
+    """The scenario's template library: from the DuckDB store when it holds templates at the scenario's SLOs,
+    else built now (and stored, for a bundled scenario left as shipped)."""
     from coral_dagster.store import Store
     from coral_dagster.templates.library import build_library, load_library, store_library
 
     store = Store(db_path)
-    stored = load_library(store, scenario)
-    if stored:
-        return tuple(stored)
-    built = build_library(scenario, progress=True)
-    store_library(store, built, scenario)
-    return tuple(built)
+    stored = tuple(load_library(store, scenario))
+    if stored and _covers(scenario, stored):
+        return stored
+    built = tuple(build_library(scenario, progress=True))
+    if scenario == load_scenario(scenario.name):
+        store_library(store, built, scenario)
+    return built
+
+
+def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
+    """Whether every model and phase of the scenario has a template at its SLO."""
+    kinds = {(t.model, t.phase) for t in scenario_templates(scenario, templates)}
+    return all((m.model, p) in kinds for m in scenario.models for p in ("prefill", "decode"))
 
 
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,

@@ -127,7 +127,8 @@ def load_plan(store, plan_id: str = "latest", *, scenario: str | None = None, me
         demand_tokens_per_s={_unkey(k): v for k, v in detail["demand_tokens_per_s"].items()},
         served_tokens_per_s={_unkey(k): v for k, v in detail["served_tokens_per_s"].items()},
         demand_scale=float(row["demand_scale"]), notes=tuple(detail["notes"]),
-        churn_usd_per_hour=float(row["churn_usd_per_hour"]), mip_bound_usd_per_hour=float(row["mip_bound_usd_per_hour"]),
+        churn_usd_per_hour=float(row["churn_usd_per_hour"]),
+        mip_bound_usd_per_hour=float(row["mip_bound_usd_per_hour"]),
         bottlenecks=tuple(Bottleneck(b["kind"], b["name"], b["region"], b["needed"], b["available"])
                           for b in detail["bottlenecks"]),
         pruning=detail["pruning"], snapshot_id=row["snapshot_id"], timings_s=detail["timings_s"],
