@@ -281,8 +281,9 @@ def test_homogeneous_baselines_only_use_one_configuration_per_instance():
         assert all(len(i.template.nodes.counts) == 1 for i in plan.instances)
 
 
-@pytest.mark.parametrize("seed,loose", [(30, True), (31, True), (33, False)])
-def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, loose, monkeypatch):
+@pytest.mark.parametrize("seed,loose,first", [(30, True, 300), (31, True, 300), (33, False, 300),
+                                              (33, False, 1), (34, False, 1), (35, False, 1), (36, False, 2)])
+def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, loose, first, monkeypatch):
     from coral_dagster.allocation import colgen, ilp
     from coral_dagster.allocation.prune import prune_columns
 
@@ -295,6 +296,7 @@ def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, l
     # Force the detour on these small instances, with few starting columns so pricing has work to do.
     monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
     monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
+    monkeypatch.setattr(colgen, "FIRST_PER_GROUP", first)  # a poor first plan: fixing must widen the ILP
     fast = colgen.solve_min_cost(problem, columns, gap_rel=EXACT)
     assert fast.result.status == "optimal"
     assert fast.result.objective == pytest.approx(direct.objective, rel=1e-7)

@@ -17,6 +17,12 @@ z_g − z_LP,g, which keeps far fewer columns than the sum of the gaps would. A 
 more than MAX_PER_GROUP columns (churn makes the LP weak: it launches a fraction of a new instance) keeps its
 MAX_PER_GROUP smallest reduced costs; the plan is then optimal only when its gap fits that threshold, and is
 otherwise reported as unproven with the bound min(ILP bound, z_LP + threshold).
+
+Decomposition bound. When the group optima do not fit together, the decomposed solve still bounds the whole
+ILP: a feasible plan's part in group g is feasible for g alone, so it costs at least L_g (g's ILP optimum less the
+solver's gap) and at least z_LP,g + d_j (split reduced costs d) when it uses column j. A plan of cost at most z
+therefore uses only columns with d_j ≤ z − Σ_h L_h + L_g − z_LP,g, a threshold set by how far z is above the
+decomposed optimum rather than above the (weaker) whole LP; the whole ILP over those columns is optimal.
 """
 
 from __future__ import annotations
@@ -57,6 +63,22 @@ class MinCostSolve:
     theta: float
     groups: int = 1
     decomposed: bool = False
+
+
+@dataclass(frozen=True)
+class _SplitBound:
+    """What a decomposed solve whose group optima do not fit together proves (module docstring): per column its
+    group and split reduced cost; per group its LP optimum z_LP,g and lower bound L_g."""
+
+    labels: np.ndarray
+    reduced: np.ndarray
+    z_lp_group: np.ndarray
+    lower: np.ndarray
+
+    def needed(self, z: float, tol: float) -> set[int]:
+        """The columns a plan of cost at most `z` can use."""
+        threshold = z - self.lower.sum() + self.lower - self.z_lp_group + tol
+        return {int(j) for j in np.nonzero(self.reduced <= threshold[self.labels])[0]}
 
 
 def _infeasible(status: str, n: int, rounds: int = 1, groups: int = 1) -> MinCostSolve:
@@ -366,15 +388,16 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
     labels = group_labels(_demand_matrix(problem, d)[1])
     n_groups = len(set(labels.tolist()))
     done = _solve(problem, columns, d, targets, deadline, gap_rel, labels, n_groups)
-    if done is not None:
+    if isinstance(done, MinCostSolve):
         return done
-    return _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups)
+    return _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups, done)
 
 
 def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
-           gap_rel: float, split: np.ndarray | None, n_groups: int) -> MinCostSolve | None:
-    """LP, a first plan, reduced-cost fixing, the ILP. With `split` (decomposed), None when the group optima do
-    not fit availability together."""
+           gap_rel: float, split: np.ndarray | None, n_groups: int,
+           split_bound: _SplitBound | None = None) -> MinCostSolve | _SplitBound | None:
+    """LP, a first plan, reduced-cost fixing, the ILP. With `split` (decomposed), what it proves (or None) when
+    the group optima do not fit availability together; `split_bound` is that proof, used by the whole ILP."""
     n = len(columns)
     labels = np.maximum(split, 0) if split is not None else np.zeros(n, dtype=np.int64)
     n_labels = int(labels.max()) + 1 if n else 1
@@ -400,8 +423,9 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     tol = TOL * max(1.0, abs(z_lp))
     proven = False
     best = None  # (mip, keep, theta) of the cheapest plan found, kept when a larger ILP runs out of time
+    extra: set[int] = set()  # the columns the decomposition bound says a cheaper plan may use
     while True:
-        keep = sorted(first | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
+        keep = sorted(first | extra | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
                            time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
                            split=split[keep].tolist() if split is not None else None)
@@ -416,13 +440,17 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         values[keep] = mip.values
         gap_g = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels) - z_lp_group
         needed = gap_g + tol if split is not None else np.full(n_labels, mip.objective - z_lp + tol)
+        by_split = split_bound.needed(mip.objective, tol) if split_bound is not None else None
         # Every column with reduced cost up to what this plan leaves above the LP bound was in the ILP: optimal.
-        if np.all(needed <= theta) or len(keep) == n:
+        if np.all(needed <= theta) or len(keep) == n or (by_split is not None and by_split <= set(keep)):
             proven = mip.status == "optimal" or len(keep) == n
             best = (mip, keep, theta)
             break
         if time.perf_counter() >= deadline or capped:
             break
+        if by_split is not None and len(by_split) < int((reduced <= needed[labels]).sum()):
+            extra = by_split | {keep[i] for i, v in enumerate(mip.values) if v > 0}
+            continue
         theta = np.maximum(theta, needed)
         # A group whose threshold would take more than MAX_PER_GROUP columns gets its MAX_PER_GROUP cheapest in
         # reduced cost instead: one more ILP of bounded size, whose plan is then optimal or reported unproven.
@@ -432,8 +460,15 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         theta = np.minimum(theta, limit)
     if best is not None:
         mip, keep, theta = best
-    return _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
+    done = _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
                    split, n_groups, targets, deadline, proven)
+    if done is None and proven and split is not None:
+        values = np.zeros(n)
+        values[keep] = mip.values
+        found = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels)
+        lower = np.maximum(z_lp_group, found - max(0.0, mip.objective - mip.bound))
+        return _SplitBound(labels, reduced, z_lp_group, lower)
+    return done
 
 
 def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,
