@@ -273,6 +273,9 @@ def test_lp_bound_is_a_lower_bound_and_gap_consistent():
     assert plan.mip_bound_usd_per_hour <= plan.objective_usd_per_hour + 1e-6
     assert plan.gap == pytest.approx((plan.objective_usd_per_hour - plan.lp_bound_usd_per_hour)
                                      / plan.objective_usd_per_hour)
+    assert plan.status == "optimal" and 0 <= plan.mip_gap <= 1e-4 + 1e-9  # the solver's own tolerance
+    assert plan.mip_gap <= plan.gap + 1e-12
+    assert plan.as_dict()["mip_gap"] == plan.mip_gap
 
 
 def test_homogeneous_baselines_only_use_one_configuration_per_instance():

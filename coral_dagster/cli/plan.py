@@ -28,8 +28,10 @@ def _print_plan(plan, plan_id: str | None) -> None:
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
     emit_table(pd.DataFrame(served), title="served vs demanded")
     gap = f"{plan.gap:.2%}" if plan.gap == plan.gap else "n/a"
+    mip_gap = f"{plan.mip_gap:.2%}" if plan.mip_gap == plan.mip_gap else "n/a"
     click.echo(f"cost {plan.cost_usd_per_hour:,.2f} $/h (churn penalty {plan.churn_usd_per_hour:,.2f}), "
-               f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap {gap}, solved in {plan.solve_s:.2f} s, "
+               f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap to LP {gap}, to MIP bound {mip_gap}, "
+               f"solved in {plan.solve_s:.2f} s, "
                f"demand scale {plan.demand_scale:.2%}")
     for b in plan.bottlenecks:
         click.echo(f"bottleneck: {b.describe()}")

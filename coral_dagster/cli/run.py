@@ -52,7 +52,8 @@ def cli(scenario: str, simulate_s: float, db_path: str | None, as_json: bool) ->
         return
     click.echo(f"DuckDB: {store.path}")
     emit_table(plan_by_model_region(plan).round(2), title=f"{scenario}: Coral plan ({plan.status}, "
-               f"${plan.cost_usd_per_hour:,.2f}/h, gap {plan.gap:.2%}, solved in {plan.solve_s:.2f}s)")
+               f"${plan.cost_usd_per_hour:,.2f}/h, gap to LP {plan.gap:.2%}, to MIP bound {plan.mip_gap:.2%}, "
+               f"solved in {plan.solve_s:.2f}s)")
     costs = latest[["cost_usd_per_hour", "status"]].reset_index()
     costs["x_coral"] = costs["cost_usd_per_hour"] / latest.loc["coral", "cost_usd_per_hour"]
     emit_table(costs.round(3), title="cost by method ($/h)")
