@@ -9,6 +9,12 @@ rounds 16 nodes per offer to 1 or 2 and loses the setting, so the demand is scal
 every 6 minutes over 30 minutes with each model's rate following its trace window by window (churn priced
 against the running plan for the ILP methods; the greedy baselines re-plan from scratch). Helix vs Coral on
 Helix's fixed cluster.
+
+Goodput is given twice per plan: fluid (`goodput.fluid_goodput`, the served share of each model's scarcer phase)
+and simulated (the request-level simulator serving the rates the plan was made for, without the planning
+headroom; under scarcity the full offered rates, of which the plan serves only part). Each scenario's template
+libraries (Coral's and the homogeneous baselines') are prepared once before any timed solve; that time is
+reported apart from the solve times.
 """
 
 from __future__ import annotations
@@ -20,21 +26,26 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from coral_dagster.allocation.demand import window_rates
-from coral_dagster.allocation.baselines import plan_cauchy, plan_homo
+from coral_dagster.allocation.baselines import homogeneous_problem, plan_cauchy, plan_homo
 from coral_dagster.allocation.goodput import GoodputEstimator, fluid_goodput
 from coral_dagster.allocation.colgen import min_availability_scale, solve_max_level
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import ALLOCATION_METHODS, make_plan
-from coral_dagster.allocation.prune import prune_columns
+from coral_dagster.allocation.problem import AllocationProblem
+from coral_dagster.allocation.prune import PruneReport, prune_columns
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.errors import CoralError
 from coral_dagster.templates.types import Template
 
+if TYPE_CHECKING:
+    import pandas as pd
+
 TemplateSource = Callable[[Scenario], Sequence[Template]]
+Simulator = Callable[[Scenario, Mapping[str, float]], GoodputEstimator]
 SCARCITY_HEADROOM = (1.25, 1.75)
 MIXES = ("large-heavy", "small-heavy")
 
@@ -55,16 +66,50 @@ class BenchConfig:
     # SLO instead (prefill ms, decode ms per token); None keeps the scenario's.
     helix_slo_ms: tuple[float, float] | None = (20000.0, 1000.0)
     settings: tuple[str, ...] = ("default", "imbalanced", "scarcity", "replan")
+    # Simulated goodput: seconds of arrivals per plan (0: no simulation), arrival process and seed. Poisson
+    # arrivals at exactly the planned rates with the traces' request lengths: a replayed trace's short windows run
+    # well off its mean rate, so they would measure the window rather than the plan.
+    sim_duration_s: float = 120.0
+    sim_trace: str = "poisson"
+    sim_seed: int = 0
+    sim_replan: bool = True
+
+
+def bench_simulator(config: BenchConfig) -> Simulator | None:
+    """(scenario, rates per model) -> a simulated GoodputEstimator at those rates; None when simulation is off."""
+    if config.sim_duration_s <= 0:
+        return None
+    from coral_dagster.simulator.latency import ProfileLatencyModel
+    from coral_dagster.simulator.simulate import goodput_estimator
+
+    latency = ProfileLatencyModel()  # shared: its per-stage latency tables are built once for every plan
+
+    def make(scenario: Scenario, rates: Mapping[str, float]) -> GoodputEstimator:
+        return goodput_estimator(scenario, trace=config.sim_trace, duration_s=config.sim_duration_s,
+                                 seed=config.sim_seed, latency=latency, rates=dict(rates))
+
+    return make
+
+
+def sim_columns(plan: Plan, simulated: GoodputEstimator | None, headroom: float) -> dict:
+    """Simulated goodput of a plan as row fields (empty values when there is no simulator)."""
+    if simulated is None:
+        return {"goodput_sim_fraction": None}
+    t0 = time.perf_counter()
+    g = simulated(plan, headroom)
+    return {"goodput_sim_fraction": g.fraction, "goodput_sim_tokens_per_s": g.tokens_per_s,
+            "sim_attainment_by_model": dict(g.per_model), "sim_s": time.perf_counter() - t0}
 
 
 def plan_row(setting: str, scenario: str, plan: Plan, goodput: GoodputEstimator, headroom: float,
-             extra: dict | None = None) -> dict:
-    """One method's plan as a benchmark row."""
+             extra: dict | None = None, simulated: GoodputEstimator | None = None) -> dict:
+    """One method's plan as a benchmark row: fluid goodput from `goodput`, simulated from `simulated`."""
     g = goodput(plan, headroom)
     return {
         "setting": setting, "scenario": scenario, "method": plan.method, "status": plan.status,
         "cost_usd_per_hour": plan.cost_usd_per_hour, "goodput_tokens_per_s": g.tokens_per_s,
-        "goodput_fraction": g.fraction, "goodput_estimator": g.estimator, "demand_scale": plan.demand_scale,
+        "goodput_fraction": g.fraction, "goodput_estimator": g.estimator,
+        **sim_columns(plan, simulated, headroom), "demand_scale": plan.demand_scale,
         "solve_s": plan.solve_s, "gap_to_lp": _num(plan.gap),
         "gap_to_mip_bound": _num((plan.objective_usd_per_hour - plan.mip_bound_usd_per_hour)
                                  / plan.objective_usd_per_hour) if plan.objective_usd_per_hour > 0 else None,
@@ -80,19 +125,21 @@ def _num(x: float) -> float | None:
 
 
 def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig, goodput: GoodputEstimator,
-                 scarcity_mode=None, extra: dict | None = None) -> list[dict]:
+                 scarcity_mode=None, extra: dict | None = None,
+                 simulated: GoodputEstimator | None = None) -> list[dict]:
     rows = []
     for method in config.methods:
         try:
             plan = make_plan(problem, method, scarcity_mode=scarcity_mode,
                              time_limit_s=config.time_limit_s.get(scenario.name, 30.0))
-            row = plan_row(setting, scenario.name, plan, goodput, scenario.headroom, extra)
+            row = plan_row(setting, scenario.name, plan, goodput, scenario.headroom, extra, simulated)
             if method in ("homo", "cauchy"):
                 # The stronger variant (ours): the last part of the demand from the cheapest single option.
                 fn = plan_homo if method == "homo" else plan_cauchy
                 variant = fn(problem, scarcity_mode=scarcity_mode, last_part="cheapest")
                 row["cheapest_last_part"] = {"cost_usd_per_hour": variant.cost_usd_per_hour,
-                                             "goodput_fraction": goodput(variant, scenario.headroom).fraction}
+                                             "goodput_fraction": goodput(variant, scenario.headroom).fraction,
+                                             **sim_columns(variant, simulated, scenario.headroom)}
             rows.append(row)
         except CoralError as exc:
             rows.append({"setting": setting, "scenario": scenario.name, "method": method, "status": "error",
@@ -117,15 +164,16 @@ def scarcity_scale(scenario: Scenario, templates: Sequence[Template]) -> float:
 
 
 def replan_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig,
-                goodput: GoodputEstimator) -> tuple[list[dict], list[dict]]:
-    """Re-plan every window with the trace-following rates; per method a summary and per window a row."""
+                goodput: GoodputEstimator, simulator: Simulator | None = None) -> tuple[list[dict], list[dict]]:
+    """Re-plan every window with the trace-following rates; per method a summary and per window a row (each
+    window's plan simulated at that window's rates when `simulator` is given)."""
     rates = scenario_rates(scenario)
     windows = window_rates(rates, scenario_traces(scenario), config.replan_window_min, config.replan_horizon_min)
     market = scenario.market()
     summary, detail = [], []
     for method in config.methods:
         running: dict = {}
-        costs, solves, gaps, launched, torn_down, statuses, fractions = [], [], [], 0, 0, [], []
+        costs, solves, gaps, launched, torn_down, statuses, fractions, sim_fractions = [], [], [], 0, 0, [], [], []
         for w, window in enumerate(windows):
             problem = scenario_problem(scenario, templates, market, rates=window,
                                        running=running if method in ("coral", "homo-ilp") else {})
@@ -146,19 +194,24 @@ def replan_rows(scenario: Scenario, templates: Sequence[Template], config: Bench
             gaps.append(plan.gap)
             statuses.append(plan.status)
             fractions.append(g.fraction)
+            sim = sim_columns(plan, simulator(scenario, window) if simulator else None, scenario.headroom)
+            if sim["goodput_sim_fraction"] is not None:
+                sim_fractions.append(sim["goodput_sim_fraction"])
             detail.append({"scenario": scenario.name, "method": method, "window": w,
                            "minute": w * config.replan_window_min, "rates_req_s": window,
                            "cost_usd_per_hour": plan.cost_usd_per_hour,
                            "churn_usd_per_hour": plan.churn_usd_per_hour, "launched": up, "torn_down": down,
                            "solve_s": plan.solve_s, "gap_to_lp": _num(plan.gap), "status": plan.status,
-                           "goodput_fraction": g.fraction})
+                           "goodput_fraction": g.fraction, **sim})
             running = counts
         finite_gaps = [g for g in gaps if isinstance(g, float) and math.isfinite(g)]
         summary.append({"scenario": scenario.name, "method": method, "windows": len(windows),
                         "mean_cost_usd_per_hour": statistics.fmean(costs), "launched": launched,
                         "torn_down": torn_down, "solve_s_mean": statistics.fmean(solves),
                         "solve_s_max": max(solves), "gap_to_lp_max": max(finite_gaps) if finite_gaps else None,
-                        "goodput_fraction_mean": statistics.fmean(fractions), "statuses": statuses})
+                        "goodput_fraction_mean": statistics.fmean(fractions),
+                        "goodput_sim_fraction_mean": statistics.fmean(sim_fractions) if sim_fractions else None,
+                        "statuses": statuses})
     coral = next((r for r in summary if r["method"] == "coral"), None)
     for r in summary:
         if coral:
@@ -213,6 +266,29 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
     return out
 
 
+def prepare_libraries(problem: AllocationProblem) -> tuple[float, PruneReport]:
+    """Prepare (dominance once per library) Coral's and the homogeneous baselines' libraries of a scenario, so
+    no timed solve pays it; returns the seconds it took and Coral's pruning report."""
+    t0 = time.perf_counter()
+    _, report = prune_columns(problem)
+    prune_columns(homogeneous_problem(problem))
+    return time.perf_counter() - t0, report
+
+
+def bench_notes(config: BenchConfig) -> list[str]:
+    """What the reader of the JSON needs to know about how the figures were taken."""
+    notes = ["solve_s excludes library preparation (libraries[scenario].prepare_s, once per library).",
+             "goodput_fraction: fluid estimate; goodput_sim_fraction: simulated SLO-meeting tokens over offered "
+             "tokens at the rates the plan was made for (no headroom; under scarcity the full offered rates)."]
+    if config.sim_duration_s <= 0:
+        notes.append("simulation disabled (sim_duration_s = 0): goodput_sim_fraction is empty.")
+    elif not config.sim_replan:
+        notes.append("re-plan windows not simulated (sim_replan = False).")
+    if config.helix:
+        notes.append("Helix section: fluid goodput only.")
+    return notes
+
+
 def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = BenchConfig(), *,
                          goodput: GoodputEstimator = fluid_goodput,
                          progress: Callable[[Iterable, str], Iterable] | None = None) -> dict:
@@ -223,21 +299,29 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
     replan_summary: list[dict] = []
     replan_detail: list[dict] = []
     libraries = {}
+    simulator = bench_simulator(config)
     for name in step(config.scenarios, "scenarios"):
         scenario = load_scenario(name)
         t0 = time.perf_counter()
         templates = templates_for(scenario)
         problem = scenario_problem(scenario, templates)
-        _, report = prune_columns(problem)
-        libraries[name] = {"templates": len(problem.templates), "load_s": time.perf_counter() - t0,
+        load_s = time.perf_counter() - t0
+        prepare_s, report = prepare_libraries(problem)
+        libraries[name] = {"templates": len(problem.templates), "load_s": load_s, "prepare_s": prepare_s,
                            "pruning": report.as_dict(),
                            "demand_tokens_per_s": {f"{m}/{p}": d for (m, p), d in problem.demand_tokens_per_s.items()}}
+        base_rates = scenario_rates(scenario)
+
+        def sim_at(rates: Mapping[str, float]) -> GoodputEstimator | None:
+            return simulator(scenario, rates) if simulator else None
+
         if "default" in config.settings:
-            rows += _run_methods("default", scenario, problem, config, goodput)
+            rows += _run_methods("default", scenario, problem, config, goodput, simulated=sim_at(base_rates))
         if "imbalanced" in config.settings:
             for mix in MIXES:
                 mixed = scenario_problem(scenario, templates, demand_mix=mix)
-                rows += _run_methods(f"imbalanced:{mix}", scenario, mixed, config, goodput, extra={"mix": mix})
+                rows += _run_methods(f"imbalanced:{mix}", scenario, mixed, config, goodput, extra={"mix": mix},
+                                     simulated=sim_at(scenario_rates(scenario, mix)))
         if "scarcity" in config.settings:
             sigma = scarcity_scale(scenario, templates)
             libraries[name]["sigma_star"] = sigma
@@ -245,9 +329,11 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
                 factor = 1.0 / (head * sigma)
                 scarce = problem.with_changes(demand_tokens_per_s=problem.scaled_demand(factor))
                 rows += _run_methods(f"scarcity:+{round((head - 1) * 100)}%", scenario, scarce, config, goodput,
-                                     scarcity_mode="scale", extra={"demand_factor": factor})
+                                     scarcity_mode="scale", extra={"demand_factor": factor},
+                                     simulated=sim_at({m: r * factor for m, r in base_rates.items()}))
         if "replan" in config.settings:
-            summary, detail = replan_rows(scenario, templates, config, goodput)
+            summary, detail = replan_rows(scenario, templates, config, goodput,
+                                          simulator if config.sim_replan else None)
             replan_summary += summary
             replan_detail += detail
     helix = helix_section(templates_for, config, goodput) if config.helix else None
@@ -257,7 +343,10 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
         "config": {"scenarios": list(config.scenarios), "methods": list(config.methods),
                    "time_limit_s": dict(config.time_limit_s), "settings": list(config.settings),
                    "replan_window_min": config.replan_window_min, "replan_horizon_min": config.replan_horizon_min,
-                   "helix_time_limit_s": config.helix_time_limit_s},
+                   "helix_time_limit_s": config.helix_time_limit_s,
+                   "simulation": {"duration_s": config.sim_duration_s, "arrivals": config.sim_trace,
+                                  "seed": config.sim_seed, "replan": config.sim_replan}},
+        "notes": bench_notes(config),
         "libraries": libraries,
         "rows": rows,
         "replan": replan_summary,
@@ -265,3 +354,32 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
         "helix": helix,
         "wall_s": time.perf_counter() - started,
     }
+
+
+ROW_COLUMNS = ("setting", "scenario", "method", "status", "cost_usd_per_hour", "cost_ratio_to_coral",
+               "goodput_fraction", "goodput_sim_fraction", "solve_s", "gap_to_lp", "instances", "mixed_instances")
+REPLAN_COLUMNS = ("scenario", "method", "windows", "mean_cost_usd_per_hour", "cost_ratio_to_coral", "launched",
+                  "torn_down", "solve_s_mean", "solve_s_max", "gap_to_lp_max", "goodput_fraction_mean",
+                  "goodput_sim_fraction_mean")
+
+
+def bench_tables(doc: dict) -> list[tuple[str, pd.DataFrame]]:
+    """The benchmark document as printable tables: [(title, DataFrame)] — library preparation, the rows (fluid
+    and simulated goodput side by side) and re-planning."""
+    import pandas as pd
+
+    tables = []
+    if doc.get("libraries"):
+        libs = pd.DataFrame([{"scenario": name, "templates": lib.get("templates"), "load_s": lib.get("load_s"),
+                              "prepare_s": lib.get("prepare_s"), "sigma_star": lib.get("sigma_star")}
+                             for name, lib in doc["libraries"].items()])
+        tables.append(("library preparation, once per library (not in solve_s)", libs))
+    if doc.get("rows"):
+        tables.append(("allocation: cost, goodput (fluid | simulated) and solve time per method",
+                       pd.DataFrame(doc["rows"]).reindex(columns=list(ROW_COLUMNS))))
+    if doc.get("replan"):
+        window = doc.get("config", {}).get("replan_window_min", 6.0)
+        horizon = doc.get("config", {}).get("replan_horizon_min", 30.0)
+        tables.append((f"re-planning every {window:g} min over {horizon:g} min",
+                       pd.DataFrame(doc["replan"]).reindex(columns=list(REPLAN_COLUMNS))))
+    return tables
