@@ -23,18 +23,22 @@ def brute_force(problem: AllocationProblem, scale: float = 1.0):
     """Cheapest objective over every integer allocation within availability (None when none meets demand).
 
     Written without the ILP's columns or pruning: walks templates × regions in order, bounding each count by the
-    nodes still free, and prices churn as K × price of each instance beyond the running plan.
+    nodes still free, and prices churn as K × price of each instance beyond the running plan. Demand is met when
+    a model's requests can be split over regions with both phases of each share served in its region: the
+    shares each region can take (the least over phases of served there / needed) add up to 1.
     """
     pairs = [(t, r) for t in problem.templates for r in sorted({r for r, _ in problem.usd_per_hour})
              if all((r, n) in problem.usd_per_hour for n, _ in t.nodes.counts)]
     running = any(v > 0 for v in problem.running.values())
     best = [math.inf]
 
+    regions = sorted({r for r, _ in problem.usd_per_hour})
+
     def supply(assign):
-        out = {k: 0.0 for k in problem.demand_tokens_per_s}
-        for (t, _), n in zip(pairs, assign):
+        out = {k + (r,): 0.0 for k in problem.demand_tokens_per_s for r in regions}
+        for (t, r), n in zip(pairs, assign):
             for phase in ("prefill", "decode"):
-                key = (t.model, phase)
+                key = (t.model, phase, r)
                 if key not in out:
                     continue
                 if t.phase == phase:
@@ -44,10 +48,17 @@ def brute_force(problem: AllocationProblem, scale: float = 1.0):
                                                       else 1.0)
         return out
 
+    def routable(got) -> bool:
+        wanted = {k: d * scale for k, d in problem.demand_tokens_per_s.items() if d > 0}
+        for model in {m for m, _ in wanted}:
+            phases = [k for k in wanted if k[0] == model]
+            if sum(min(1.0, *(got[k + (r,)] / wanted[k] for k in phases)) for r in regions) < 1 - 1e-7:
+                return False
+        return True
+
     def walk(i, free, assign):
         if i == len(pairs):
-            got = supply(assign)
-            if all(got[k] >= d * scale - 1e-7 for k, d in problem.demand_tokens_per_s.items()):
+            if routable(supply(assign)):
                 obj = 0.0
                 for (t, r), n in zip(pairs, assign):
                     price = sum(k * problem.usd_per_hour[(r, c)] for c, k in t.nodes.counts)
@@ -111,8 +122,9 @@ def feasible_random(seed: int) -> tuple[AllocationProblem, float]:
     free = dict(base.available_nodes)
     served = {k: 0.0 for k in base.demand_tokens_per_s}
     cost = 0.0
+    home = {m: rng.choice(sorted({r for r, _ in base.usd_per_hour})) for m, _ in base.demand_tokens_per_s}
     for t in rng.sample(list(base.templates), 12):
-        r = rng.choice(sorted({r for r, _ in base.usd_per_hour}))
+        r = home[t.model]  # one region per model, so the witness routes every request within a region
         if all(free.get((r, c), 0) >= k for c, k in t.nodes.counts) and all(
                 (r, c) in base.usd_per_hour for c, _ in t.nodes.counts):
             for c, k in t.nodes.counts:
@@ -140,9 +152,10 @@ def test_feasible_random_plans_meet_demand_within_availability(seed):
             other = baseline(problem)
         except InfeasibleError:
             continue
-        assert plan_violations(other, problem) == []
-        # Coral's template space contains every baseline's, so its optimum is never dearer.
-        assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
+        assert plan_violations(other, problem, same_region=baseline is plan_homo_ilp) == []
+        if baseline is plan_homo_ilp:
+            # Coral's template space contains Homo-ILP's, under the same constraints: never dearer.
+            assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -304,7 +317,7 @@ def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, l
     assert fast.result.status == "optimal"
     assert fast.result.objective == pytest.approx(direct.objective, rel=1e-7)
     assert fast.lp_objective == pytest.approx(relaxed.objective, rel=1e-7)
-    assert fast.decomposed == loose
+    assert fast.decomposed or not loose
 
 
 @pytest.mark.parametrize("seed", [40, 41])

@@ -128,10 +128,12 @@ def _data(problem: AllocationProblem, columns: Sequence[Column]) -> _Data:
 
 def _demand_matrix(problem: AllocationProblem, d: _Data,
                    targets: Mapping[DemandKey, float] | None = None) -> tuple[list[DemandKey], sparse.csr_matrix]:
-    """C2 over the columns as `ilp.min_cost` writes it: rows divided by D_m, coefficients capped at the row's
-    target; an aggregated column serves both phases of its model (output tokens to decode, the trace's prompt
-    tokens per output token to prefill)."""
+    """C2 over the columns as `ilp.min_cost` writes it, one row per (model, phase, region of the columns): rows
+    divided by D_m, coefficients capped at the row's target; an aggregated column serves both phases of its model
+    (output tokens to decode, the trace's prompt tokens per output token to prefill). The routing shares are not
+    columns: every restricted LP has them all."""
     keys = [key for key, dm in sorted(problem.demand_tokens_per_s.items()) if dm > 0]
+    n_reg = len(d.regions)
     n = len(d.price)
     row = np.full((len(d.models), 2), -1, dtype=np.int64)
     demand = np.ones((len(d.models), 2))
@@ -154,13 +156,14 @@ def _demand_matrix(problem: AllocationProblem, d: _Data,
         target_row = row[d.model_idx, phase] if n else np.zeros(0, dtype=np.int64)
         for mask, factor in ((d.phase_code == phase, np.ones(n)), (agg, ratio if phase == 0 else np.ones(n))):
             ok = mask & (target_row >= 0)
-            rr.append(target_row[ok])
+            rr.append(target_row[ok] * n_reg + d.region_idx[ok])
             cc.append(cols[ok])
             vv.append(d.tokens_per_s[ok] * factor[ok] / demand[d.model_idx[ok], phase])
     rows_all = np.concatenate(rr)
-    caps = np.array([1.0 if targets is None else targets.get(k, 1.0) for k in keys])
-    vals = np.minimum(np.concatenate(vv), caps[rows_all]) if len(keys) else np.zeros(0)
-    return keys, sparse.csr_matrix((vals, (rows_all, np.concatenate(cc))), shape=(len(keys), n))
+    row_keys = [k + (r,) for k in keys for r in d.regions]
+    caps = np.array([1.0 if targets is None else targets.get(k[:2], 1.0) for k in row_keys])
+    vals = np.minimum(np.concatenate(vv), caps[rows_all]) if len(row_keys) else np.zeros(0)
+    return row_keys, sparse.csr_matrix((vals, (rows_all, np.concatenate(cc))), shape=(len(row_keys), n))
 
 
 def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], sparse.csr_matrix]:
@@ -179,10 +182,14 @@ def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], s
     return names, sparse.csr_matrix((d.use[col_j, cfg].astype(float), (row_of, col_j)), shape=(len(uniq), n))
 
 
-def group_labels(a_dem: sparse.csr_matrix) -> np.ndarray:
-    """Per column, its group of demand keys (keys tied by a column serving several of them); -1 for none."""
+def group_labels(a_dem: sparse.csr_matrix, keys: Sequence[tuple]) -> np.ndarray:
+    """Per column, its group of C2 rows (rows of one model, tied by its routing shares, or by a column serving
+    several of them); -1 for none."""
     n_keys, n = a_dem.shape
     parent = list(range(n_keys))
+    first_of: dict[str, int] = {}
+    for i, key in enumerate(keys):
+        parent[i] = first_of.setdefault(key[0], i)
 
     def find(k: int) -> int:
         while parent[k] != k:
@@ -385,7 +392,8 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
                            gap_rel=gap_rel)
         return MinCostSolve(mip, "optimal", lp.objective, n, 1, n, math.inf)
     d = _data(problem, columns)
-    labels = group_labels(_demand_matrix(problem, d)[1])
+    keys, a_dem = _demand_matrix(problem, d)
+    labels = group_labels(a_dem, keys)
     n_groups = len(set(labels.tolist()))
     done = _solve(problem, columns, d, targets, deadline, gap_rel, labels, n_groups)
     if isinstance(done, MinCostSolve):

@@ -9,16 +9,22 @@ Notation
     p_r(τ)    Σ_c U_c(τ) p_r(c), $/h of one instance of τ in r
     A_r(c)    nodes of c available in r
     D_m       demanded tokens/s of m;  s_m the fraction of D_m to serve (1, or a scarcity level)
+    μ(m)      the model of demand key m
     ν'_r(τ)   instances running now;  K = node start-up time / re-plan interval
 Variables
     ν_r(τ) ∈ ℤ, 0 ≤ ν_r(τ) ≤ min_c ⌊A_r(c) / U_c(τ)⌋   instances of τ in r (the bound follows from C1)
+    x_r(μ) ≥ 0                                          share of model μ's requests routed to region r
     I_r(τ) ≥ 0                                          churn penalty, $/h
 Objective
     minimise  Σ_r Σ_τ p_r(τ) ν_r(τ) + I_r(τ)
 Constraints
     C1 availability   Σ_τ U_c(τ) ν_r(τ) ≤ A_r(c)                         ∀ r, c
-    C2 demand         Σ_r Σ_τ min(T_m(τ), s_m D_m) ν_r(τ) ≥ s_m D_m      ∀ m   (rows divided by D_m)
+    C2 demand         Σ_{τ in r} min(T_m(τ), s_m D_m) ν_r(τ) ≥ s_m D_m x_r(μ(m))   ∀ m, r   (rows ÷ D_m)
+    C2' routing       Σ_r x_r(μ) = 1                                                ∀ μ
     C3 churn          I_r(τ) ≥ (ν_r(τ) − ν'_r(τ)) p_r(τ) K               ∀ r, τ
+
+C2 with C2' keeps a request's prefill and decode in one region: a region gets a share of a model's requests and
+must serve that share of both phases there (the KV cache moves between nodes of a region, never across regions).
 
 Exact reformulations: C2's coefficients are capped at its right-hand side, which changes no integer solution
 (an instance covering the demand alone satisfies the row either way) and tightens the LP relaxation. Where
@@ -28,7 +34,8 @@ and the objective is the provisioning cost.
 
 Scarcity variant (`max_level`): demand keys are split into groups g (all keys: uniform scaling; one group per
 model: max-min fair share); s_m = f_g for m in g, f_g ≤ 1, f_g ≥ t for free groups and f_g ≥ its level for
-fixed ones; maximise t subject to C1 and C2 (no churn: serving more comes first)."""
+fixed ones; the routed shares y_r(μ) = f_g x_r(μ) make C2 linear (Σ_r y_r(μ) = f_g); maximise t subject to C1
+and C2 (no churn: serving more comes first)."""
 
 from __future__ import annotations
 
@@ -50,7 +57,8 @@ RawStatus = Literal["optimal", "feasible-time-limit", "infeasible", "no-solution
 class SolveResult:
     """One solver run: counts per column, objective, the solver's proven bound and its wall time.
 
-    `row_duals` (LP runs only) maps a row (`("avail", region, node)`, `("demand", model, phase)`) to its dual.
+    `row_duals` (LP runs only) maps a row (`("avail", region, node)`, `("demand", model, phase, region)`) to its
+    dual.
     """
 
     status: RawStatus
@@ -136,22 +144,43 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float):
 
 
 def _supply_terms(problem: AllocationProblem, columns: Sequence[Column],
-                  caps: Mapping[DemandKey, float] | float = 1.0) -> dict[DemandKey, list[tuple[int, float]]]:
-    """Per demand key with D_m > 0: (column index, min(T_m(τ) / D_m, cap_m)), cap_m the row's largest target.
+                  caps: Mapping[DemandKey, float] | float = 1.0) -> dict[tuple, list[tuple[int, float]]]:
+    """Per (model, phase, region) with D_m > 0, every region of the problem: (column index in that region,
+    min(T_m(τ) / D_m, cap_m)), cap_m the row's largest target.
 
     Capping a coefficient at the right-hand side is exact for integers (one instance that covers the target
     alone satisfies the row either way) and tightens the LP relaxation: a fraction of one huge instance no longer
     passes for the whole demand of a small model.
     """
-    terms: dict[DemandKey, list[tuple[int, float]]] = {
-        k: [] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
+    keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
+    terms: dict[tuple, list[tuple[int, float]]] = {k + (r,): [] for k in keys for r in problem.regions}
     for i, col in enumerate(columns):
         for key in problem.serves(col.template):
-            if key in terms:
+            row = key + (col.region,)
+            if row in terms:
                 cap = caps if isinstance(caps, (int, float)) else caps.get(key, 1.0)
                 coef = problem.contribution(col.template, key[1]) / problem.demand_tokens_per_s[key]
-                terms[key].append((i, min(coef, cap)))
+                terms[row].append((i, min(coef, cap)))
     return terms
+
+
+def _routed_demand(prob, rows: dict, problem: AllocationProblem, columns: Sequence[Column], nu: list,
+                   caps: Mapping[DemandKey, float] | float, weight: Mapping[DemandKey, float] | float) -> dict:
+    """C2 per (model, phase, region): supply in the region ≥ weight_m × the model's routed share there.
+
+    Returns the share variables x_r(μ) per model, for the caller's routing rows (C2').
+    """
+    pulp = _pulp()
+    share: dict[str, dict[str, object]] = {}
+    for (model, phase, region), terms in _supply_terms(problem, columns, caps).items():
+        per_model = share.setdefault(model, {})
+        if region not in per_model:
+            per_model[region] = prob.add_variable(f"x_{len(rows)}", lowBound=0)
+        w = weight if isinstance(weight, (int, float)) else weight.get((model, phase), 1.0)
+        expr = [(nu[i], coef) for i, coef in terms] + [(per_model[region], -w)]
+        _row(prob, rows, ("demand", model, phase, region), pulp.LpConstraint(
+            pulp.LpAffineExpression(expr), pulp.LpConstraintGE, None, 0.0))
+    return share
 
 
 def _availability_terms(columns: Sequence[Column], split: Sequence[int] | None = None) -> dict[tuple, list]:
@@ -256,17 +285,17 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
                                                             None, avail))
     if over:
         prob.setObjective(pulp.LpAffineExpression(objective))
-    # C2 demand
+    # C2 demand in each region, C2' routing of every model's requests
     short = {}
-    for key, terms in _supply_terms(problem, columns, targets if targets is not None else 1.0).items():
-        target = 1.0 if targets is None else targets.get(key, 1.0)
-        expr = [(nu[i], coef) for i, coef in terms]
+    goal = targets if targets is not None else 1.0
+    for model, by_region in _routed_demand(prob, rows, problem, columns, nu, goal, goal).items():
+        expr = [(x, 1.0) for x in by_region.values()]
         if slack_usd is not None:
-            short[key] = prob.add_variable(f"short_{len(short)}", lowBound=0)
-            expr.append((short[key], 1.0))
-            objective.append((short[key], slack_usd))
-        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintGE,
-                                                             None, target))
+            short[model] = prob.add_variable(f"short_{len(short)}", lowBound=0)
+            expr.append((short[model], 1.0))
+            objective.append((short[model], slack_usd))
+        _row(prob, rows, ("routing", model), pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ,
+                                                              None, 1.0))
     if short:
         prob.setObjective(pulp.LpAffineExpression(objective))
     # C3 churn
@@ -305,14 +334,12 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
         avail = problem.available_nodes.get((region, node), 0)
         _row(prob, rows, ("avail", region, node), pulp.LpConstraint(
             pulp.LpAffineExpression([(nu[i], kk) for i, kk in terms]), pulp.LpConstraintLE, None, avail))
-    # C2 demand, at the group's level
-    supply = _supply_terms(problem, columns, cap)
-    group_of = {key: g for g, keys in groups.items() for key in keys}
-    for key, terms in supply.items():
-        g = group_of[key]
-        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(
-            pulp.LpAffineExpression([(nu[i], coef) for i, coef in terms] + [(frac[g], -1.0)]), pulp.LpConstraintGE,
-            None, 0.0))
+    # C2 demand in each region (routed shares y_r(μ)), C2' the shares add up to the group's level
+    group_of = {key[0]: g for g, keys in groups.items() for key in keys}
+    for model, by_region in _routed_demand(prob, rows, problem, columns, nu, cap, 1.0).items():
+        _row(prob, rows, ("routing", model), pulp.LpConstraint(
+            pulp.LpAffineExpression([(y, 1.0) for y in by_region.values()] + [(frac[group_of[model]], -1.0)]),
+            pulp.LpConstraintEQ, None, 0.0))
     free = [g for g in groups if g not in fixed]
     for j, g in enumerate(sorted(free)):
         _row(prob, rows, ("level", g), pulp.LpConstraint(pulp.LpAffineExpression([(frac[g], 1.0), (t, -1.0)]),
@@ -320,21 +347,29 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
     result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
     if result.status in ("infeasible", "no-solution"):
         return result
-    served = supplied_fractions(problem, columns, result.values)
-    levels = [min(served.get(k, cap) for k in groups[g]) for g in free] or [cap]
+    routed = routed_fractions(problem, columns, result.values, cap)
+    levels = [min(routed.get(k[0], cap) for k in groups[g]) for g in free] or [cap]
     return SolveResult(result.status, result.values, result.objective, result.bound, result.solve_s,
                        level=min(cap, min(levels)), row_duals=result.row_duals)
 
 
-def supplied_fractions(problem: AllocationProblem, columns: Sequence[Column],
-                       values: Sequence[float]) -> dict[DemandKey, float]:
-    """Served tokens/s over demanded, per key with positive demand, for the given counts."""
-    served = {k: 0.0 for k, d in problem.demand_tokens_per_s.items() if d > 0}
+def routed_fractions(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float],
+                     cap: float = 1.0) -> dict[str, float]:
+    """Per model with demand, the share of its requests the counts serve with each request's phases in one
+    region: Σ_r min over its phases of min(cap, served in r / D) (the most C2 and C2' allow), capped at `cap`."""
+    served: dict[tuple, float] = {}
     for col, v in zip(columns, values):
         for key in problem.serves(col.template):
-            if key in served:
-                served[key] += v * problem.contribution(col.template, key[1])
-    return {k: served[k] / problem.demand_tokens_per_s[k] for k in served}
+            served[key + (col.region,)] = served.get(key + (col.region,), 0.0) + v * problem.contribution(
+                col.template, key[1])
+    keys = [k for k, d in problem.demand_tokens_per_s.items() if d > 0]
+    out: dict[str, float] = {}
+    for model in sorted({k[0] for k in keys}):
+        phases = [k for k in keys if k[0] == model]
+        total = sum(min([cap] + [served.get(k + (r,), 0.0) / problem.demand_tokens_per_s[k] for k in phases])
+                    for r in problem.regions)
+        out[model] = min(cap, total)
+    return out
 
 
 def availability_scale_lp(problem: AllocationProblem, columns: Sequence[Column], *,
@@ -355,8 +390,8 @@ def availability_scale_lp(problem: AllocationProblem, columns: Sequence[Column],
         _row(prob, rows, ("avail", region, node), pulp.LpConstraint(
             pulp.LpAffineExpression([(nu[i], kk) for i, kk in terms] + [(sigma, -avail)]), pulp.LpConstraintLE,
             None, 0.0))
-    # C2 demand
-    for key, terms in _supply_terms(problem, columns).items():
-        _row(prob, rows, ("demand",) + key, pulp.LpConstraint(
-            pulp.LpAffineExpression([(nu[i], coef) for i, coef in terms]), pulp.LpConstraintGE, None, 1.0))
+    # C2 demand in each region, C2' routing
+    for model, by_region in _routed_demand(prob, rows, problem, columns, nu, 1.0, 1.0).items():
+        _row(prob, rows, ("routing", model), pulp.LpConstraint(
+            pulp.LpAffineExpression([(x, 1.0) for x in by_region.values()]), pulp.LpConstraintEQ, None, 1.0))
     return _run(prob, nu, time_limit_s, 0.0, False, rows)
