@@ -13,19 +13,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from coral_dagster.allocation.experiments import BenchConfig, bench_tables, run_allocation_bench
+from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
 from coral_dagster.allocation.scenario_plans import library_templates
-from coral_dagster.cli._out import emit_table
+from coral_dagster.cli.plan import print_bench
 
 OUT = Path(__file__).resolve().parent / "results" / "allocation.json"
-
-
-def print_doc(doc: dict) -> None:
-    for title, table in bench_tables(doc):
-        emit_table(table, title=title)
-    if doc.get("helix"):
-        print(json.dumps(doc["helix"], indent=2, default=str))
-    print(f"wall time {doc['wall_s']:.1f} s")
 
 
 def main() -> None:
@@ -50,7 +42,7 @@ def main() -> None:
     doc = run_allocation_bench(library_templates, config, progress=lambda it, desc: tqdm(list(it), desc=desc))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2, default=str))
-    print_doc(doc)
+    print_bench(doc)
     print(f"wrote {args.out}")
 
 

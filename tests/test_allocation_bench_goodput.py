@@ -113,7 +113,7 @@ def test_library_prepared_once_and_reused(core, monkeypatch):
 
     monkeypatch.setattr(prune, "dominated_ids", no_recompute)
     for method in ("coral", "homo-ilp", "homo"):
-        make_plan(again, method, time_limit_s=10)
+        make_plan(again, method, scarcity_mode="scale", time_limit_s=10)
 
 
 def test_bench_rows_carry_both_goodputs(core):

@@ -11,11 +11,13 @@ from click.testing import CliRunner
 
 from coral_dagster import paths
 from coral_dagster.allocation import demand
+from coral_dagster.allocation.check import plan_violations
 from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.inputs import scenario_problem
-from coral_dagster.allocation.planner import solve_plan
+from coral_dagster.allocation.planner import build_plan, solve_plan
 from coral_dagster.allocation.storage import load_plan, store_plan
 from coral_dagster.allocation.synthetic import random_problem, synthetic_template
+from coral_dagster.allocation.types import PlannedInstance
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
@@ -129,6 +131,26 @@ def test_fluid_goodput_counts_the_scarcer_phase_without_headroom():
     assert g.tokens_per_s == pytest.approx(frac * 120.0)
 
 
+def test_fluid_goodput_needs_both_phases_in_one_region():
+    x = NodeMultiset.parse("1xL4:1")
+    pre, dec = synthetic_template("m0", "prefill", x, 100.0), synthetic_template("m0", "decode", x, 10.0)
+    base = random_problem(1, regions=("r1", "r2"))
+    problem = base.with_changes(templates=(pre, dec), available_nodes={k: 4 for k in base.usd_per_hour},
+                                demand_tokens_per_s={("m0", "prefill"): 100.0, ("m0", "decode"): 10.0})
+    price = problem.instance_usd_per_hour(pre, "r1")
+
+    def plan_with(regions):
+        instances = [PlannedInstance(t, r, 1, problem.instance_usd_per_hour(t, r))
+                     for t, r in zip((pre, dec), regions)]
+        return build_plan(problem, "homo", "heuristic", instances, lp_bound=price, solve_s=0.0)
+
+    assert fluid_goodput(plan_with(("r1", "r1"))).fraction == pytest.approx(1.0)
+    apart = plan_with(("r1", "r2"))  # every phase's tokens are there, but no request can use both
+    assert apart.served_tokens_per_s == problem.demand_tokens_per_s
+    assert fluid_goodput(apart).fraction == 0.0
+    assert plan_violations(apart, problem) and not plan_violations(apart, problem, same_region=False)
+
+
 def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
     from coral_dagster.allocation import scenario_plans
     from coral_dagster.cli.plan import plan
@@ -154,3 +176,27 @@ def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
     assert json.loads(again.output)["instances"] == doc["instances"]
     scarce = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--availability-scale", "0.05"])
     assert scarce.exit_code != 0 and "--scarcity" in str(scarce.exception)
+
+
+def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
+    """`coral bench allocation --json`: each method's row is the plan `make_plan` gives on the same inputs."""
+    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.allocation.methods import make_plan
+    from coral_dagster.cli.plan import bench
+
+    scn = load_scenario("core")
+    templates = tuple(synthetic_template(sm.model, phase, NodeMultiset.of([node]), tps * node.count, slo_ms=slo)
+                      for sm in scn.models for node in scn.node_configs
+                      for phase, slo, tps in (("prefill", sm.prefill_slo_ms, 3000.0),
+                                              ("decode", sm.decode_slo_ms, 400.0)))
+    monkeypatch.setattr(scenario_plans, "library_templates", lambda scenario, db_path=None: templates)
+    args = ["allocation", "--scenarios", "core", "--settings", "default", "--no-helix", "--sim-duration-s", "0",
+            "--db", str(tmp_path / "b.duckdb"), "--json"]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["method"]: r for r in json.loads(result.output)["rows"]}
+    problem = scenario_problem(scn, templates)
+    for method in ("coral", "homo-ilp", "homo", "cauchy"):
+        assert rows[method]["cost_usd_per_hour"] == pytest.approx(make_plan(problem, method).cost_usd_per_hour)
+    shown = CliRunner().invoke(bench, args[:-1])
+    assert shown.exit_code == 0 and "simulated" in shown.output and "coral" in shown.output

@@ -38,7 +38,7 @@ from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import PruneReport, prune_columns
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
-from coral_dagster.errors import CoralError
+from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.templates.types import Template
 
 if TYPE_CHECKING:
@@ -130,13 +130,24 @@ def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig,
     rows = []
     for method in config.methods:
         try:
-            plan = make_plan(problem, method, scarcity_mode=scarcity_mode,
-                             time_limit_s=config.time_limit_s.get(scenario.name, 30.0))
+            mode, note = scarcity_mode, None
+            try:
+                plan = make_plan(problem, method, scarcity_mode=mode,
+                                 time_limit_s=config.time_limit_s.get(scenario.name, 30.0))
+            except InfeasibleError:
+                if mode is not None:
+                    raise
+                # A method that cannot meet the demand shows what it serves: the largest common fraction.
+                mode, note = "scale", "cannot meet the demand within availability: largest common fraction served"
+                plan = make_plan(problem, method, scarcity_mode=mode,
+                                 time_limit_s=config.time_limit_s.get(scenario.name, 30.0))
             row = plan_row(setting, scenario.name, plan, goodput, scenario.headroom, extra, simulated)
+            if note:
+                row["note"] = note
             if method in ("homo", "cauchy"):
                 # The stronger variant (ours): the last part of the demand from the cheapest single option.
                 fn = plan_homo if method == "homo" else plan_cauchy
-                variant = fn(problem, scarcity_mode=scarcity_mode, last_part="cheapest")
+                variant = fn(problem, scarcity_mode=mode, last_part="cheapest")
                 row["cheapest_last_part"] = {"cost_usd_per_hour": variant.cost_usd_per_hour,
                                              "goodput_fraction": goodput(variant, scenario.headroom).fraction,
                                              **sim_columns(variant, simulated, scenario.headroom)}

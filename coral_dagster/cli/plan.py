@@ -97,18 +97,21 @@ def bench() -> None:
 @click.option("--settings", default="default,imbalanced,scarcity,replan", show_default=True,
               help="Comma-separated: default, imbalanced, scarcity, replan.")
 @click.option("--helix/--no-helix", default=True, show_default=True, help="Also run Helix vs Coral on its cluster.")
+@click.option("--sim-duration-s", type=float, default=120.0, show_default=True,
+              help="Seconds of Poisson arrivals each plan is simulated for (simulated goodput); 0 skips it.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the JSON document here (bench/allocation.py writes bench/results/allocation.json).")
 @db_option
 @json_option
-def allocation(scenarios: str, settings: str, helix: bool, out_path: str | None, db_path: str | None,
-               as_json: bool) -> None:
+def allocation(scenarios: str, settings: str, helix: bool, sim_duration_s: float, out_path: str | None,
+               db_path: str | None, as_json: bool) -> None:
     """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
     from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
     from coral_dagster.allocation.scenario_plans import library_templates
 
     config = BenchConfig(scenarios=tuple(s for s in scenarios.split(",") if s),
-                         settings=tuple(s for s in settings.split(",") if s), helix=helix)
+                         settings=tuple(s for s in settings.split(",") if s), helix=helix,
+                         sim_duration_s=sim_duration_s)
     doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config)
     if out_path:
         Path(out_path).parent.mkdir(parents=True, exist_ok=True)
@@ -120,16 +123,13 @@ def allocation(scenarios: str, settings: str, helix: bool, out_path: str | None,
 
 
 def print_bench(doc: dict) -> None:
-    """The benchmark's tables: one row per (setting, scenario, method), then re-planning and Helix."""
-    import pandas as pd
+    """The benchmark's tables (library preparation, one row per setting × scenario × method with fluid and
+    simulated goodput, re-planning), then Helix's comparison as JSON."""
+    from coral_dagster.allocation.experiments import bench_tables
 
-    cols = ["setting", "scenario", "method", "status", "cost_usd_per_hour", "cost_ratio_to_coral",
-            "goodput_fraction", "solve_s", "gap_to_lp", "instances", "mixed_instances"]
-    rows = pd.DataFrame(doc["rows"])
-    if not rows.empty:
-        emit_table(rows.reindex(columns=cols), title="allocation: cost, goodput and solve time per method")
-    if doc.get("replan"):
-        rp = pd.DataFrame(doc["replan"]).drop(columns=["statuses"], errors="ignore")
-        emit_table(rp, title="re-planning every 6 min over 30 min")
+    for title, table in bench_tables(doc):
+        emit_table(table, title=title)
     if doc.get("helix"):
         click.echo(json.dumps(doc["helix"], indent=2, default=str))
+    if "wall_s" in doc:
+        click.echo(f"wall time {doc['wall_s']:.1f} s")
