@@ -22,7 +22,9 @@ Decomposition bound. When the group optima do not fit together, the decomposed s
 ILP: a feasible plan's part in group g is feasible for g alone, so it costs at least L_g (g's ILP optimum less the
 solver's gap) and at least z_LP,g + d_j (split reduced costs d) when it uses column j. A plan of cost at most z
 therefore uses only columns with d_j ≤ z − Σ_h L_h + L_g − z_LP,g, a threshold set by how far z is above the
-decomposed optimum rather than above the (weaker) whole LP; the whole ILP over those columns is optimal.
+decomposed optimum rather than above the (weaker) whole LP; the whole ILP over those columns is optimal. The
+whole ILP starts from the columns a plan within SPLIT_SLACK of the decomposed optimum may use, so when the
+optimum is that close (usual: a few nodes collide), one ILP finds and proves it.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ FIRST_PER_GROUP = 300
 MAX_PER_GROUP = 4000
 ADD_PER_ROUND = 200
 FALLBACK_THETA = 0.02
+SPLIT_SLACK = 0.03
 TOL = 1e-9
 # Up to this many columns the LP and the ILP are solved directly: the detour costs more than it saves.
 DIRECT_MAX = 300
@@ -432,6 +435,11 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     proven = False
     best = None  # (mip, keep, theta) of the cheapest plan found, kept when a larger ILP runs out of time
     extra: set[int] = set()  # the columns the decomposition bound says a cheaper plan may use
+    if split_bound is not None:
+        # Start from every column a plan within SPLIT_SLACK of the decomposed optimum may use: a plan found there
+        # at most that dear is proven optimal by the first ILP.
+        extra = split_bound.needed(split_bound.lower.sum() * (1 + SPLIT_SLACK), tol)
+        theta = np.zeros(n_labels)
     while True:
         keep = sorted(first | extra | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
