@@ -48,6 +48,8 @@ MAX_PER_GROUP = 4000
 ADD_PER_ROUND = 200
 FALLBACK_THETA = 0.02
 SPLIT_SLACK = 0.03
+# The decomposed attempt gets at most this share of the time limit; the whole ILP, when needed, the rest.
+DECOMPOSED_SHARE = 0.4
 TOL = 1e-9
 # Up to this many columns the LP and the ILP are solved directly: the detour costs more than it saves.
 DIRECT_MAX = 300
@@ -398,10 +400,17 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
     keys, a_dem = _demand_matrix(problem, d)
     labels = group_labels(a_dem, keys)
     n_groups = len(set(labels.tolist()))
-    done = _solve(problem, columns, d, targets, deadline, gap_rel, labels, n_groups)
-    if isinstance(done, MinCostSolve):
+    split_deadline = min(deadline, time.perf_counter() + DECOMPOSED_SHARE * time_limit_s)
+    done = _solve(problem, columns, d, targets, split_deadline, gap_rel, labels, n_groups)
+    if isinstance(done, MinCostSolve) and (done.result.status in ("optimal", "infeasible")
+                                           or time.perf_counter() >= deadline):
         return done
-    return _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups, done)
+    whole = _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups,
+                   done if isinstance(done, _SplitBound) else None)
+    if isinstance(done, MinCostSolve) and done.result.status == "feasible-time-limit" and (
+            whole.result.status in ("infeasible", "no-solution") or done.result.objective < whole.result.objective):
+        return done  # the decomposed plan fits availability and the whole ILP found nothing cheaper in time
+    return whole
 
 
 def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
@@ -432,7 +441,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     theta = np.array([r[min(FIRST_PER_GROUP, len(r)) - 1] if len(r) else 0.0 for r in sorted_reduced])
     capped = False
     tol = TOL * max(1.0, abs(z_lp))
-    proven = False
+    proven = fixed = False
     best = None  # (mip, keep, theta) of the cheapest plan found, kept when a larger ILP runs out of time
     extra: set[int] = set()  # the columns the decomposition bound says a cheaper plan may use
     if split_bound is not None:
@@ -459,6 +468,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         by_split = split_bound.needed(mip.objective, tol) if split_bound is not None else None
         # Every column with reduced cost up to what this plan leaves above the LP bound was in the ILP: optimal.
         if np.all(needed <= theta) or len(keep) == n or (by_split is not None and by_split <= set(keep)):
+            fixed = True  # no column outside the ILP is in a cheaper plan: its bound bounds the whole problem
             proven = mip.status == "optimal" or len(keep) == n
             best = (mip, keep, theta)
             break
@@ -478,7 +488,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         mip, keep, theta = best
     done = _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
                    split, n_groups, targets, deadline, proven)
-    if done is None and proven and split is not None:
+    if done is None and fixed and split is not None:
         values = np.zeros(n)
         values[keep] = mip.values
         found = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels)
