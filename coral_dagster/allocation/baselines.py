@@ -1,15 +1,16 @@
 """Baselines on Coral's inputs: Homo, Cauchy (greedy, homogeneous templates) and Homo-ILP (Coral's ILP on them).
 
 Homogeneous means every node of the template has one configuration (k × c, k ≥ 1), so each baseline's template
-space is a subset of Coral's and Coral's optimum is never dearer on the same inputs.
+space is a subset of Coral's; Coral's optimum is never dearer than Homo-ILP's or Cauchy's (whose units keep both
+phases in one region) on the same inputs.
 
-- Homo (SkyServe / SageServe / Mélange style): per model, regions cheapest first; in a region, per phase, rank
-  the homogeneous templates by tokens/s per $ and replicate the best until the model's remaining share of
-  requests is met there, moving to the next when availability runs out; the next region takes the share both
-  phases did not cover (a request's phases stay in one region). An aggregated template is ranked by the tokens
-  it gives that phase and credited to both phases.
+- Homo (SkyServe / SageServe / Mélange style): per (model, phase), rank the homogeneous (template, region)
+  pairs by tokens/s per $ and replicate the best until the demand is met, moving to the next when availability
+  runs out. An aggregated template is ranked by the tokens it gives that phase and credited to both phases.
   With `last_part="cheapest"` (a stronger variant, ours) the part of the demand smaller than one instance of the
   best template goes to whichever single template covers it at least cost.
+  Homo places each phase on its own, so a model's prefill and decode may land in different regions; its
+  plans are then not all servable (the goodput columns count only what both phases serve in one region).
 - Cauchy: per model, units of `a` prefill and `b` decode instances of homogeneous templates in one region, with
   one side of the ratio 1 and the other 1..8 (one prefill may feed several decode instances, or the reverse for
   prompt-heavy traces); a unit serves the fraction min(a·T_P / D_prefill, b·T_D / D_decode) of the model's demand;
@@ -120,49 +121,10 @@ def _homo_greedy(problem: AllocationProblem, columns: list[Column], targets: Map
                  last_part: str):
     pool = _Pool(problem)
     placed: dict[tuple[str, str], list] = {}
-    ok = True
-    for model in sorted({k[0] for k in problem.demand_tokens_per_s}):
-        keys = [k for k in sorted(problem.demand_tokens_per_s) if k[0] == model
-                and problem.demand_tokens_per_s[k] * targets.get(k, 1.0) > TOL]
-        if not keys:
-            continue
-        share = 1.0  # of the model's requests still to place; a region takes what both phases cover there
-        for region in _regions_by_cost(problem, columns, keys):
-            if share <= TOL:
-                break
-            served = _homo_region(problem, columns, keys, region, share, targets, pool, placed, last_part)
-            share -= min(share, served)
-        ok = ok and share <= 1e-9
-    instances = [PlannedInstance(c.template, c.region, n, c.usd_per_hour) for c, n in placed.values()]
-    return ok, instances
-
-
-def _regions_by_cost(problem: AllocationProblem, columns: list[Column], keys: list[DemandKey]) -> list[str]:
-    """Regions that serve every phase of the model, cheapest first: Σ over phases of demand / best tokens per $."""
-    cost = {}
-    for region in problem.regions:
-        total = 0.0
-        for key in keys:
-            eff = [problem.contribution(c.template, key[1]) / max(c.usd_per_hour, TOL) for c in columns
-                   if c.region == region and key in problem.serves(c.template)]
-            if not eff:
-                break
-            total += problem.demand_tokens_per_s[key] / max(eff)
-        else:
-            cost[region] = total
-    return sorted(cost, key=lambda r: (cost[r], r))
-
-
-def _homo_region(problem: AllocationProblem, columns: list[Column], keys: list[DemandKey], region: str,
-                 share: float, targets: Mapping[DemandKey, float], pool: _Pool, placed: dict,
-                 last_part: str) -> float:
-    """Cover `share` of each phase in `region` (best tokens/s per $ first); returns the share both phases got."""
-    got = []
-    remaining = {k: share * problem.demand_tokens_per_s[k] * targets.get(k, 1.0) for k in keys}
-    want = dict(remaining)
-    for key in keys:
-        options = [c for c in columns if c.region == region and key in problem.serves(c.template)]
-        if remaining[key] <= TOL * max(1.0, want[key]):
+    remaining = {k: problem.demand_tokens_per_s[k] * targets.get(k, 1.0) for k in problem.demand_tokens_per_s}
+    for key in sorted(remaining):
+        options = [c for c in columns if key in problem.serves(c.template)]
+        if not options or remaining[key] <= TOL * max(1.0, problem.demand_tokens_per_s[key]):
             continue
         cap = np.array([problem.contribution(c.template, key[1]) for c in options])
         cost = np.array([c.usd_per_hour for c in options])
@@ -170,18 +132,18 @@ def _homo_region(problem: AllocationProblem, columns: list[Column], keys: list[D
 
         def take(o: int, n: int) -> None:
             col = options[o]
-            pool.take(needs[o], region, n)
-            entry = placed.setdefault((col.template.template_id, region), [col, 0])
+            pool.take(needs[o], col.region, n)
+            entry = placed.setdefault((col.template.template_id, col.region), [col, 0])
             entry[1] += n
             for other in problem.serves(col.template):
-                if other != key and other in remaining:  # an aggregated instance also serves the other phase
+                if other != key:  # an aggregated instance also serves the model's other phase
                     remaining[other] -= n * problem.contribution(col.template, other[1])
 
         remaining[key] = _cover(remaining[key], cap / np.maximum(cost, TOL), cap, cost,
-                                lambda o: pool.fits(needs[o], region), take, last_part)
-    for key in keys:
-        got.append(share * (1.0 - max(0.0, remaining[key]) / want[key]) if want[key] > 0 else share)
-    return min(got)
+                                lambda o: pool.fits(needs[o], options[o].region), take, last_part)
+    ok = all(r <= 1e-9 * max(1.0, problem.demand_tokens_per_s[k]) for k, r in remaining.items())
+    instances = [PlannedInstance(c.template, c.region, n, c.usd_per_hour) for c, n in placed.values()]
+    return ok, instances
 
 
 def _cauchy_units(problem: AllocationProblem, columns: list[Column], model: str):
