@@ -16,6 +16,7 @@ from tqdm import tqdm
 from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
 from coral_dagster.allocation.scenario_plans import library_templates
 from coral_dagster.cli.plan import print_bench
+from coral_dagster.plots import bench_png
 
 OUT = Path(__file__).resolve().parent / "results" / "allocation.json"
 
@@ -42,8 +43,9 @@ def main() -> None:
     doc = run_allocation_bench(library_templates, config, progress=lambda it, desc: tqdm(list(it), desc=desc))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(doc, indent=2, default=str))
+    args.out.with_suffix(".png").write_bytes(bench_png(doc))
     print_bench(doc)
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":

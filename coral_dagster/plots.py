@@ -1,4 +1,5 @@
-"""Plots people would rather look at than read: cost per model by method, and plan cost over time."""
+"""Plots people would rather look at than read: cost per model by method, plan cost over time, and the allocation
+benchmark's cost and goodput per method."""
 
 from __future__ import annotations
 
@@ -44,6 +45,27 @@ def cost_over_time_png(history: pd.DataFrame) -> bytes:
     ax.set_title("Plan cost over time")
     ax.legend()
     fig.autofmt_xdate()
+    fig.tight_layout()
+    return _png(fig, plt)
+
+
+def bench_png(doc: dict) -> bytes:
+    """Two panels from an allocation benchmark document: each method's cost relative to Coral per setting, and
+    its simulated goodput (fluid where not simulated)."""
+    plt = _figure()
+    rows = pd.DataFrame([r for r in doc.get("rows", []) if r.get("cost_usd_per_hour") is not None])
+    if rows.empty:
+        rows = pd.DataFrame(columns=["setting", "scenario", "method", "cost_ratio_to_coral", "goodput_fraction"])
+    rows["setting"] = rows["scenario"] + " " + rows["setting"]
+    sim = rows["goodput_sim_fraction"] if "goodput_sim_fraction" in rows else pd.Series(dtype=float)
+    rows["goodput"] = sim.where(sim.notna(), rows["goodput_fraction"]) if len(sim) else rows["goodput_fraction"]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9, 6.5), sharex=True)
+    for ax, column, label in ((top, "cost_ratio_to_coral", "cost / Coral's"), (bottom, "goodput", "goodput")):
+        table = rows.pivot_table(index="setting", columns="method", values=column, aggfunc="first")
+        table.plot.bar(ax=ax, rot=20, legend=ax is top)
+        ax.set_ylabel(label)
+    top.axhline(1.0, color="black", linewidth=0.8)
+    top.set_title("Allocation benchmark: cost relative to Coral (top), simulated goodput (bottom)")
     fig.tight_layout()
     return _png(fig, plt)
 

@@ -200,3 +200,18 @@ def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
         assert rows[method]["cost_usd_per_hour"] == pytest.approx(make_plan(problem, method).cost_usd_per_hour)
     shown = CliRunner().invoke(bench, args[:-1])
     assert shown.exit_code == 0 and "simulated" in shown.output and "coral" in shown.output
+
+
+def test_bench_png_draws_every_setting():
+    import io
+
+    import matplotlib.image
+
+    from coral_dagster.plots import bench_png
+
+    rows = [{"setting": s, "scenario": "core", "method": m, "cost_usd_per_hour": c, "cost_ratio_to_coral": c / 10.0,
+             "goodput_fraction": 1.0, "goodput_sim_fraction": g}
+            for s in ("default", "scarcity:+25%") for m, c, g in (("coral", 10.0, 0.99), ("homo", 15.0, None))]
+    rows.append({"setting": "default", "scenario": "core", "method": "cauchy", "status": "error"})
+    image = matplotlib.image.imread(io.BytesIO(bench_png({"rows": rows})))
+    assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
