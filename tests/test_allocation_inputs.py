@@ -18,6 +18,7 @@ from coral_dagster.allocation.planner import build_plan, solve_plan
 from coral_dagster.allocation.storage import load_plan, store_plan
 from coral_dagster.allocation.synthetic import random_problem, synthetic_template
 from coral_dagster.allocation.types import PlannedInstance
+from coral_dagster.catalog import traces
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
@@ -25,7 +26,7 @@ from coral_dagster.errors import CoralError
 
 def csv_means(name: str) -> tuple[float, float, int, list[float]]:
     """Means and arrival seconds read with the csv module, apart from the pandas path under test."""
-    path = paths.TRACES_DIR / demand.TRACE_FILES[name]
+    path = paths.TRACES_DIR / traces.TRACE_FILES[name]
     prompts, outputs, stamps = [], [], []
     with open(path) as f:
         for row in csv.DictReader(f):

@@ -15,20 +15,13 @@ from functools import lru_cache
 from typing import Literal, Mapping
 
 import numpy as np
-import pandas as pd
 
-from coral_dagster import paths
+from coral_dagster.catalog.traces import load_trace
 from coral_dagster.errors import CoralError, UnknownNameError
 
 DemandMix = Literal["uniform", "large-heavy", "small-heavy"]
 DEMAND_MIXES: tuple[str, ...] = ("uniform", "large-heavy", "small-heavy")
 HEAVY_SHARE = 0.8
-TRACE_FILES = {
-    "azure-conv": "azure-llm-2023/AzureLLMInferenceTrace_conv.csv",
-    "azure-code": "azure-llm-2023/AzureLLMInferenceTrace_code.csv",
-}
-
-
 @dataclass(frozen=True)
 class TraceStats:
     """What allocation needs from a request trace: mean lengths, request count and span."""
@@ -46,23 +39,8 @@ class TraceStats:
 
 
 @lru_cache(maxsize=None)
-def load_trace(name: str) -> pd.DataFrame:
-    """A bundled trace as `arrival_s, prompt_tokens, output_tokens`, arrivals from 0, sorted."""
-    if name not in TRACE_FILES:
-        raise UnknownNameError("trace", name, list(TRACE_FILES))
-    path = paths.TRACES_DIR / TRACE_FILES[name]
-    if not path.exists():
-        raise CoralError(f"trace file {path} is missing.", "restore data/traces/ from the repository.")
-    raw = pd.read_csv(path)
-    stamps = pd.to_datetime(raw["TIMESTAMP"], format="ISO8601")
-    arrival_s = (stamps - stamps.min()).dt.total_seconds()
-    frame = pd.DataFrame({"arrival_s": arrival_s, "prompt_tokens": raw["ContextTokens"].astype(int),
-                          "output_tokens": raw["GeneratedTokens"].astype(int)})
-    return frame.sort_values("arrival_s", kind="stable").reset_index(drop=True)
-
-
-@lru_cache(maxsize=None)
 def trace_stats(name: str) -> TraceStats:
+    """Mean prompt and output tokens, request count and span of a bundled trace."""
     frame = load_trace(name)
     return TraceStats(name, float(frame["prompt_tokens"].mean()), float(frame["output_tokens"].mean()),
                       len(frame), float(frame["arrival_s"].max()))

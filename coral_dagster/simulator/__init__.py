@@ -4,7 +4,7 @@ from coral_dagster.simulator.engine import Engine, SimConfig
 from coral_dagster.simulator.latency import ConstantLatencyModel, LatencyModel, ProfileLatencyModel, StageLatency
 from coral_dagster.simulator.result import ModelSlo, SimResult
 from coral_dagster.simulator.simulate import goodput_estimator, simulate_plan
-from coral_dagster.simulator.traces import load_trace, trace_means
+from coral_dagster.catalog.traces import load_trace, trace_means
 from coral_dagster.simulator.workload import ModelLoad, Workload, make_workload
 
 __all__ = [

@@ -10,7 +10,7 @@ from coral_dagster.errors import UnknownNameError
 from coral_dagster.simulator.engine import Engine, SimConfig
 from coral_dagster.simulator.latency import LatencyModel, ProfileLatencyModel
 from coral_dagster.simulator.result import ModelSlo, SimResult, build_result
-from coral_dagster.simulator.traces import trace_means, trace_names
+from coral_dagster.catalog.traces import trace_means, trace_names
 from coral_dagster.simulator.workload import ModelLoad, make_workload
 
 TRAFFIC = ("scenario", "azure-conv", "azure-code", "poisson", "gamma")

@@ -8,7 +8,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from coral_dagster.errors import CoralError, UnknownNameError
-from coral_dagster.simulator.traces import load_trace
+from coral_dagster.catalog.traces import load_trace
 
 Arrivals = Literal["trace", "poisson", "gamma"]
 ARRIVALS: tuple[Arrivals, ...] = ("trace", "poisson", "gamma")

@@ -120,7 +120,7 @@ class Workload:
 @lru_cache(maxsize=None)
 def trace_mean_tokens(trace: str) -> tuple[int, int]:
     """(mean prompt tokens, mean output tokens) of a bundled trace, rounded."""
-    from coral_dagster.simulator.traces import trace_means
+    from coral_dagster.catalog.traces import trace_means
 
     prompt, output = trace_means(trace)
     return round(prompt), round(output)
@@ -133,7 +133,7 @@ SHORT_OUTPUT_QUANTILE = 0.05
 @lru_cache(maxsize=None)
 def short_output_tokens(trace: str) -> int:
     """Output tokens of a bundled trace at `SHORT_OUTPUT_QUANTILE` (at least 2)."""
-    from coral_dagster.simulator.traces import load_trace
+    from coral_dagster.catalog.traces import load_trace
 
     return max(2, int(load_trace(trace).output_tokens.quantile(SHORT_OUTPUT_QUANTILE)))
 
@@ -141,7 +141,7 @@ def short_output_tokens(trace: str) -> int:
 @lru_cache(maxsize=None)
 def longest_request_tokens(trace: str) -> int:
     """Prompt plus output tokens of a bundled trace's longest request."""
-    from coral_dagster.simulator.traces import load_trace
+    from coral_dagster.catalog.traces import load_trace
 
     df = load_trace(trace)
     return int((df.prompt_tokens + df.output_tokens).max())
@@ -150,7 +150,7 @@ def longest_request_tokens(trace: str) -> int:
 @lru_cache(maxsize=None)
 def token_weighted_prompt_tokens(trace: str) -> int:
     """E[P²]/E[P] of a bundled trace's prompts: the mean length of the prompt a prefilled token belongs to."""
-    from coral_dagster.simulator.traces import load_trace
+    from coral_dagster.catalog.traces import load_trace
 
     prompt = load_trace(trace).prompt_tokens.to_numpy(dtype=np.float64)
     return round(float((prompt * prompt).sum() / prompt.sum()))
