@@ -14,11 +14,16 @@ KV cache follows vLLM's paged allocation: a sequence holds its current context o
 more token per iteration; admission needs room for the prompt below a small watermark; when growth overflows a
 node, the most recently admitted sequence of that micro-batch is preempted, returns to the front of its
 instance's queue and recomputes its prompt and generated tokens when readmitted.
+
+Routing: a request enters one of its model's prefill or aggregated instances by weighted round-robin
+(`entry_weights`: regions in the share both phases can take there); a prefilled request decodes in its own
+region when that region has decode instances, else anywhere (its KV cache then crosses regions).
 """
 
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -106,15 +111,42 @@ def check_template(t, n_layers: int) -> None:
                          f"{t.nodes}.", fix)
 
 
+def entry_weights(entry: Sequence, decode: Sequence) -> list[float]:
+    """Routing weights of a model's entry instances (`.phase`, `.region`, `.weight`) given its decode instances.
+
+    Aggregated instances keep their weight. Prefill instances share the weight of the prefill in regions with
+    decode so that a region gets the share of requests both phases can take there, min(its share of that prefill,
+    its share of decode) normalised over regions, split within the region by weight: a region with spare prefill
+    does not send its decode more than it holds, and one without decode gets none. With no region holding both,
+    weights stay.
+    """
+    pre = [i for i in entry if i.phase == "prefill"]
+    pre_r: dict[str, float] = {}
+    dec_r: dict[str, float] = {}
+    for i in pre:
+        pre_r[i.region] = pre_r.get(i.region, 0.0) + i.weight
+    for i in decode:
+        dec_r[i.region] = dec_r.get(i.region, 0.0) + i.weight
+    total_pre = sum(p for r, p in pre_r.items() if dec_r.get(r, 0.0) > 0)  # prefill a local decode can follow
+    total_dec = sum(dec_r.values())
+    share = {r: min(p / total_pre, dec_r.get(r, 0.0) / total_dec) for r, p in pre_r.items() if p > 0} \
+        if total_pre > 0 and total_dec > 0 else {}
+    norm = sum(share.values())
+    if norm <= 0:
+        return [i.weight for i in entry]
+    return [i.weight / pre_r[i.region] * share[i.region] / norm * total_pre if i.phase == "prefill" else i.weight
+            for i in entry]
+
+
 class _Stride:
-    """Weighted round-robin by stride scheduling: the next pick is the smallest pass; ties go to the lower index."""
+    """Weighted round-robin by stride scheduling: the next pick is the smallest pass; ties go to the lower index.
+    An entry of weight 0 is never picked, unless every weight is 0 (then all are picked alike)."""
 
     __slots__ = ("heap",)
 
     def __init__(self, weights: Sequence[float]) -> None:
-        positive = [w for w in weights if w > 0]
-        fallback = 1.0 if not positive else min(positive)
-        strides = [1.0 / (w if w > 0 else fallback) for w in weights]
+        positive = any(w > 0 for w in weights)
+        strides = [1.0 / w if w > 0 else (math.inf if positive else 1.0) for w in weights]
         self.heap = [(s, i, s) for i, s in enumerate(strides)]
         heapq.heapify(self.heap)
 
@@ -262,8 +294,8 @@ class Engine:
         for m in workload.models:
             entry = [i for i in self.instances if i.model == m and i.phase in ("prefill", "aggregated")]
             self.entry_insts[m] = entry
-            self.entry[m] = _Stride([i.weight for i in entry])
             dec = [i for i in self.instances if i.model == m and i.phase == "decode"]
+            self.entry[m] = _Stride(entry_weights(entry, dec))
             self.decode[(m, None)] = (_Stride([i.weight for i in dec]), dec)
             for region in sorted({i.region for i in dec}):
                 local = [i for i in dec if i.region == region]
