@@ -216,3 +216,21 @@ def test_bench_png_draws_every_setting():
     rows.append({"setting": "default", "scenario": "core", "method": "cauchy", "status": "error"})
     image = matplotlib.image.imread(io.BytesIO(bench_png({"rows": rows})))
     assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
+
+
+def test_recent_matches_by_identity_and_key_and_forgets_the_oldest():
+    from coral_dagster.allocation.recent import Recent
+
+    memo, calls = Recent(2), []
+
+    def make(tag):
+        return lambda: calls.append(tag) or tag
+
+    a, b, c, a_copy = (1, 2), (3, 4), (5, 6), tuple([1, 2])
+    assert memo.get(a, make("a")) == "a" and memo.get(a, make("again")) == "a"
+    assert memo.get(a_copy, make("copy")) == "copy"  # equal but not the same object: made anew
+    assert memo.get(a, make("key"), key="k") == "key"  # same object, other key
+    memo.get(b, make("b"))
+    memo.get(c, make("c"))  # size 2: only b and c are remembered now
+    assert memo.get(a, make("a2")) == "a2"
+    assert calls == ["a", "copy", "key", "b", "c", "a2"]

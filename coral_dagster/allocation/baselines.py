@@ -33,6 +33,7 @@ import numpy as np
 from coral_dagster.allocation.planner import SCARCITY_FIX, build_plan, solve_plan
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
+from coral_dagster.allocation.recent import Recent
 from coral_dagster.allocation.types import Plan, PlannedInstance, Scarcity
 from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.templates.types import Template
@@ -48,17 +49,13 @@ def is_homogeneous(template: Template) -> bool:
     return len(template.nodes.counts) == 1
 
 
-_HOMOGENEOUS: list[tuple[tuple[Template, ...], tuple[Template, ...]]] = []
+_HOMOGENEOUS: Recent[tuple[Template, ...]] = Recent(4)
 
 
 def homogeneous_problem(problem: AllocationProblem) -> AllocationProblem:
     """The same problem over its homogeneous templates (the selection is remembered per template tuple)."""
-    for held, chosen in _HOMOGENEOUS:
-        if held is problem.templates:
-            return problem.with_changes(templates=chosen)
-    chosen = tuple(t for t in problem.templates if is_homogeneous(t))
-    _HOMOGENEOUS.append((problem.templates, chosen))
-    del _HOMOGENEOUS[:-4]
+    chosen = _HOMOGENEOUS.get(problem.templates,
+                              lambda: tuple(t for t in problem.templates if is_homogeneous(t)))
     return problem.with_changes(templates=chosen)
 
 

@@ -6,6 +6,7 @@ from typing import Mapping, Sequence
 
 from coral_dagster.allocation.demand import demand_tokens, mix_rates, trace_stats
 from coral_dagster.allocation.problem import AllocationProblem, offers_from_market
+from coral_dagster.allocation.recent import Recent
 from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.templates.types import Template
@@ -27,7 +28,7 @@ def scenario_traces(scenario: Scenario) -> dict[str, str]:
     return {m.model: m.trace for m in scenario.models}
 
 
-_SELECTED: list[tuple[Scenario, Sequence[Template], tuple[Template, ...]]] = []
+_SELECTED: Recent[tuple[Template, ...]] = Recent(4)
 
 
 def scenario_templates(scenario: Scenario, templates: Sequence[Template]) -> tuple[Template, ...]:
@@ -36,10 +37,11 @@ def scenario_templates(scenario: Scenario, templates: Sequence[Template]) -> tup
     Aggregated templates carry the per-token (decode) SLO, as the library builds them. The selection is
     remembered for the same template sequence, so re-plans share one prepared library.
     """
-    for pos, (scn, held, chosen) in enumerate(_SELECTED):
-        if held is templates and scn == scenario:
-            _SELECTED.append(_SELECTED.pop(pos))
-            return chosen
+    return _SELECTED.get(templates, lambda: _select(scenario, templates), key=scenario)
+
+
+def _select(scenario: Scenario, templates: Sequence[Template]) -> tuple[Template, ...]:
+    """`scenario_templates` without the memo."""
     slo = {(m.model, "prefill"): m.prefill_slo_ms for m in scenario.models}
     slo.update({(m.model, "decode"): m.decode_slo_ms for m in scenario.models})
     models = {m.model for m in scenario.models}
@@ -51,10 +53,7 @@ def scenario_templates(scenario: Scenario, templates: Sequence[Template]) -> tup
         if abs(t.slo_ms - slo[(t.model, "decode" if t.phase == "aggregated" else t.phase)]) > 1e-9:
             continue
         keep.append(t)
-    chosen = tuple(keep)
-    _SELECTED.append((scenario, templates, chosen))
-    del _SELECTED[:-4]
-    return chosen
+    return tuple(keep)
 
 
 def scenario_problem(scenario: Scenario, templates: Sequence[Template], market: MarketSnapshot | None = None, *,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coral_dagster.allocation.problem import AllocationProblem
+from coral_dagster.allocation.recent import Recent
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.templates.types import Template
 
@@ -132,16 +133,16 @@ class Library:
     dominance_rule: str
 
 
-_LIBRARIES: list[tuple[tuple[Template, ...], Library]] = []
-_LIBRARY_CACHE_SIZE = 8
+_LIBRARIES: Recent[Library] = Recent(8)
 
 
 def prepare(templates: tuple[Template, ...]) -> Library:
     """The prepared library of a template tuple, remembered for the last few tuples (re-plans reuse one)."""
-    for pos, (held, lib) in enumerate(_LIBRARIES):
-        if held is templates:
-            _LIBRARIES.append(_LIBRARIES.pop(pos))
-            return lib
+    return _LIBRARIES.get(templates, lambda: _prepare(templates))
+
+
+def _prepare(templates: tuple[Template, ...]) -> Library:
+    """`prepare` without the memo: duplicates collapse to the best, dominance is found once."""
     unique: dict[tuple, Template] = {}
     for t in templates:
         key = (t.model, t.phase, t.slo_ms, t.nodes)
@@ -165,8 +166,6 @@ def prepare(templates: tuple[Template, ...]) -> Library:
                   np.array([t.tokens_per_s for t in kept], dtype=np.float64),
                   np.array([i in bad for i in ids], dtype=bool),
                   "exhaustive" if exhaustive else "one-node-smaller")
-    _LIBRARIES.append((templates, lib))
-    del _LIBRARIES[:-_LIBRARY_CACHE_SIZE]
     return lib
 
 
