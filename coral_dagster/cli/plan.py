@@ -97,29 +97,44 @@ def bench() -> None:
 @click.option("--settings", default="default,imbalanced,scarcity,replan", show_default=True,
               help="Comma-separated: default, imbalanced, scarcity, replan.")
 @click.option("--helix/--no-helix", default=True, show_default=True, help="Also run Helix vs Coral on its cluster.")
+@click.option("--helix-slo-ms", default="20000,1000", show_default=True,
+              help="prefill,decode SLO (ms) of the Helix comparison; `scenario` keeps the scenario's.")
 @click.option("--sim-duration-s", type=float, default=120.0, show_default=True,
-              help="Seconds of Poisson arrivals each plan is simulated for (simulated goodput); 0 skips it.")
+              help="Seconds of arrivals each plan is simulated for (simulated goodput); 0 skips it.")
+@click.option("--sim-trace", default="poisson", show_default=True,
+              help="Arrivals of the simulation: poisson, gamma, scenario (each model's trace), azure-conv, azure-code.")
+@click.option("--sim-replan/--no-sim-replan", default=True, show_default=True,
+              help="Also simulate every re-planning window.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
-              help="Also write the JSON document here (bench/allocation.py writes bench/results/allocation.json).")
+              help="Also write the JSON document here, and its plot beside it (same name, .png).")
 @db_option
 @json_option
-def allocation(scenarios: str, settings: str, helix: bool, sim_duration_s: float, out_path: str | None,
-               db_path: str | None, as_json: bool) -> None:
+def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, sim_duration_s: float, sim_trace: str,
+               sim_replan: bool, out_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
+    from tqdm import tqdm
+
     from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
     from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.plots import bench_png
 
+    slo = None if helix_slo_ms == "scenario" else tuple(float(x) for x in helix_slo_ms.split(","))
     config = BenchConfig(scenarios=tuple(s for s in scenarios.split(",") if s),
-                         settings=tuple(s for s in settings.split(",") if s), helix=helix,
-                         sim_duration_s=sim_duration_s)
-    doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config)
+                         settings=tuple(s for s in settings.split(",") if s), helix=helix, helix_slo_ms=slo,
+                         sim_duration_s=sim_duration_s, sim_trace=sim_trace, sim_replan=sim_replan)
+    progress = None if as_json else (lambda it, desc: tqdm(list(it), desc=desc))
+    doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config, progress=progress)
     if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_path).write_text(json.dumps(doc, indent=2, default=str))
+        out = Path(out_path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=2, default=str))
+        out.with_suffix(".png").write_bytes(bench_png(doc))
     if as_json:
         emit_json(doc)
     else:
         print_bench(doc)
+        if out_path:
+            click.echo(f"wrote {out_path} and {Path(out_path).with_suffix('.png')}")
 
 
 def print_bench(doc: dict) -> None:
