@@ -9,16 +9,17 @@ from resources.store import CoralDuckDB
 
 @dg.asset(group_name="deployment", kinds={"skypilot", "duckdb"}, deps=["allocation_plan"])
 def deployment_specs(config: ScenarioConfig, duckdb: CoralDuckDB, launcher: SkyPilotLauncher) -> dg.MaterializeResult:
-    """SkyPilot tasks for the newest Coral plan (written, or launched when the launcher is not a dry run)."""
-    from coral_dagster.allocation.storage import load_plan
+    """SkyPilot tasks for the scenario's latest Coral plan, priced from its own market snapshot (written, or launched
+    when the launcher is not a dry run)."""
+    from coral_dagster.app.deployment import deploy
+    from coral_dagster.app.plans import latest_plan
 
     store = duckdb.store()
-    plan_id = store.query("SELECT plan_id FROM plan_history WHERE scenario = ? AND method = 'coral' "
-                          "ORDER BY created_at DESC LIMIT 1", [config.scenario])["plan_id"].iloc[0]
-    report = launcher.deploy(store, plan_id, load_plan(store, plan_id))
+    plan = latest_plan(store, config.scenario)
+    report = deploy(store, plan, launcher)
     commands = report.get("commands", [])
     return dg.MaterializeResult(metadata={
-        "plan_id": plan_id,
+        "plan_id": plan.plan_id,
         "report": dg.MetadataValue.json({k: v for k, v in report.items() if k != "commands"}),
         "commands": dg.MetadataValue.md("```sh\n" + "\n".join(commands[:40]) + "\n```"),
     })

@@ -28,7 +28,7 @@ class PlanConfig(dg.Config):
 @dg.asset(group_name="planning", kinds={"duckdb", "python"}, deps=["catalogs"])
 def demand(config: DemandConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
     """Request rate per model (from the scenario and its traces), appended to `demand_snapshots`."""
-    from coral_dagster.planning import demand_rates, store_demand
+    from coral_dagster.app.rounds import demand_rates, store_demand
 
     scenario = load_scenario(config.scenario)
     rates = demand_rates(scenario, config.demand_mix, config.follow_trace)
@@ -41,7 +41,7 @@ def demand(config: DemandConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
 def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckdb: CoralDuckDB,
                     solver: SolverSettings) -> dg.MaterializeResult:
     """The minimum-cost plan (templates × regions) meeting demand within availability, with churn priced in."""
-    from coral_dagster.planning import plan_by_model_region, plan_round
+    from coral_dagster.app.rounds import plan_by_model_region, plan_round
     from coral_dagster.plots import cost_over_time_png, markdown_image
 
     store = duckdb.store()
@@ -61,13 +61,12 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
 
 
 @dg.asset_check(asset=allocation_plan, description="The newest plan meets demand within availability.")
-def plan_meets_demand(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
+def plan_meets_demand(config: PlanConfig, duckdb: CoralDuckDB) -> dg.AssetCheckResult:
     from coral_dagster.allocation.check import plan_violations
-    from coral_dagster.allocation.storage import load_plan
-    from coral_dagster.planning import plan_problem
+    from coral_dagster.app.plans import latest_plan, plan_problem
 
     store = duckdb.store()
-    plan = load_plan(store, "latest", method="coral")
+    plan = latest_plan(store, config.scenario)
     problems = plan_violations(plan, plan_problem(store, plan), require_demand=plan.status == "optimal")
     return dg.AssetCheckResult(passed=not problems, metadata={"violations": dg.MetadataValue.json(problems[:20])})
 
@@ -76,14 +75,14 @@ def plan_meets_demand(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
 def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb: CoralDuckDB,
                    solver: SolverSettings) -> dg.MaterializeResult:
     """Homo, Homo-ILP and Cauchy on exactly the inputs of the Coral plan, stored beside it."""
-    from coral_dagster.allocation.storage import load_plan
-    from coral_dagster.planning import plan_round
+    from coral_dagster.app.plans import latest_plan
+    from coral_dagster.app.rounds import plan_round
     from coral_dagster.plots import cost_by_model_png, markdown_image
 
     from coral_dagster.errors import InfeasibleError
 
     store, scenario = duckdb.store(), load_scenario(config.scenario)
-    plans = {"coral": load_plan(store, "latest", scenario=scenario.name, method="coral")}
+    plans = {"coral": latest_plan(store, scenario.name)}
     failed = {}
     for method in BASELINES:
         try:

@@ -3,7 +3,6 @@
 import dagster as dg
 from pydantic import Field
 
-from coral_dagster.catalog.scenarios import load_scenario
 from resources.store import CoralDuckDB
 
 
@@ -18,18 +17,16 @@ class SimulationConfig(dg.Config):
 
 @dg.asset(group_name="simulation", kinds={"duckdb", "python"}, deps=["allocation_plan"])
 def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
-    """TTFT, TPOT, SLO attainment and goodput per model of the newest Coral plan, appended to `simulations`."""
-    from coral_dagster.allocation.storage import load_plan
-    from coral_dagster.planning import store_simulation
+    """TTFT, TPOT, SLO attainment and goodput per model of the scenario's latest Coral plan, appended to
+    `simulations`."""
+    from coral_dagster.app.plans import latest_plan
+    from coral_dagster.app.simulation import simulate_plan_id
     from coral_dagster.plots import markdown_image
-    from coral_dagster.simulator.simulate import simulate_plan
 
     store = duckdb.store()
-    plan_id = store.query("SELECT plan_id FROM plan_history WHERE scenario = ? AND method = 'coral' "
-                          "ORDER BY created_at DESC LIMIT 1", [config.scenario])["plan_id"].iloc[0]
-    result = simulate_plan(load_plan(store, plan_id), load_scenario(config.scenario), duration_s=config.duration_s,
-                           seed=config.seed)
-    table = store_simulation(store, plan_id, result, config.attainment_target)
+    plan_id = latest_plan(store, config.scenario).plan_id
+    result, table = simulate_plan_id(store, plan_id, duration_s=config.duration_s, seed=config.seed,
+                                     attainment_target=config.attainment_target)
     return dg.MaterializeResult(metadata={
         "plan_id": plan_id,
         "attainment": dg.MetadataValue.float(round(result.attainment, 4)),

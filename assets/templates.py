@@ -14,7 +14,7 @@ model_partitions = dg.StaticPartitionsDefinition(MODELS)
 def template_library(context: dg.AssetExecutionContext, config: ScenarioConfig,
                      duckdb: CoralDuckDB) -> dg.MaterializeResult:
     """Every non-dominated template of one model in the scenario (prefill, decode, aggregated), in `templates`."""
-    from coral_dagster.planning import store_model_templates
+    from coral_dagster.app.rounds import store_model_templates
     from coral_dagster.templates.library import build_library_with_stats
 
     model, scenario = context.partition_key, load_scenario(config.scenario)

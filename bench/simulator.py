@@ -56,9 +56,9 @@ def bench_plan(scenario, source: str):
     from coral_dagster.store import Store
 
     if source == "latest":
-        from coral_dagster.allocation.storage import load_plan
+        from coral_dagster.app.plans import latest_plan
 
-        return load_plan(Store(), "latest", scenario=scenario.name, method="coral"), "stored latest plan"
+        return latest_plan(Store(), scenario.name), "stored latest plan"
     templates: list[Template] | tuple[Template, ...] = ()
     if source in ("auto", "library"):
         from coral_dagster.allocation.scenario_plans import library_templates

@@ -58,7 +58,8 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.catalog.store import latest_snapshot
     from coral_dagster.errors import CoralError
-    from coral_dagster.planning import latest_demand, running_plan
+    from coral_dagster.app.plans import find_plan
+    from coral_dagster.app.rounds import latest_demand
     from coral_dagster.templates.library import load_library
 
     scenario = load_scenario(scenario_name)
@@ -67,12 +68,12 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     key = f"{snap.snapshot_id}|{demand_id}"
     demand = demand_tokens(rates, scenario_traces(scenario), scenario.headroom)
     available = {(o.region, str(o.node)): o.available_nodes for o in snap.offers}
-    plan = running_plan(store, scenario)
+    plan = find_plan(store, scenario.name)
     if plan is None:
         return key, decide_replan(None, demand, available)
     cost_now = sum(i.count * sum(k * snap.price(i.region, n) for n, k in i.template.nodes.counts)
                    for i in plan.instances if all(snap.offer(i.region, n) for n, _ in i.template.nodes.counts))
-    state = PlanState("latest", dict(plan.served_tokens_per_s), plan.nodes_used(), cost_now)
+    state = PlanState(plan.plan_id, dict(plan.served_tokens_per_s), plan.nodes_used(), cost_now)
     candidate = churn = None
     if estimate_savings:
         problem = scenario_problem(scenario, load_library(store, scenario), snap, rates=rates, running=plan.counts())

@@ -15,19 +15,21 @@ class SkyPilotLauncher(dg.ConfigurableResource):
     out_dir: str = Field(default=str(paths.REPO_ROOT / "out" / "deploy"), description="Where task YAMLs go.")
     drain_timeout_s: float = Field(default=600.0, description="Seconds a removed instance may drain.")
 
-    def deploy(self, store, plan_id: str, plan) -> dict:
-        """Dry run: the diff against the recorded deployment, as YAMLs and commands. Otherwise: reconcile."""
-        from coral_dagster.catalog.prices import load_node_prices
+    def deploy(self, store, plan, prices) -> dict:
+        """Dry run: the diff against the recorded deployment, as YAMLs and commands. Otherwise: reconcile.
+        `prices` are the rows of the plan's own market snapshot."""
         from coral_dagster.deploy import state
         from coral_dagster.deploy.names import plan_tag
         from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
 
-        prices = load_node_prices()
+        plan_id = plan.plan_id
         if self.dry_run:
             diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
             dry = write_dry_run(diff, Path(self.out_dir) / plan_tag(plan_id))
             return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
-                    "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep)}
+                    "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep),
+                    "gpu_usd_per_hour": round(sum(n.usd_per_hour for n in diff.nodes_to_launch()
+                                                  if n.role == "engine"), 4)}
         from coral_dagster.deploy.drain import CoordinatorDrainer
         from coral_dagster.deploy.sky_adapter import SkyLauncher
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+from dataclasses import replace
 from datetime import datetime
 
 import pytest
@@ -16,6 +17,7 @@ from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.inputs import scenario_problem
 from coral_dagster.allocation.planner import build_plan, solve_plan
 from coral_dagster.allocation.storage import load_plan, store_plan
+from coral_dagster.app.plans import latest_plan
 from coral_dagster.allocation.synthetic import random_problem, synthetic_template
 from coral_dagster.allocation.types import PlannedInstance
 from coral_dagster.catalog import traces
@@ -89,9 +91,12 @@ def test_plans_round_trip_through_duckdb(tmp_path):
     plan = solve_plan(problem)
     first = store_plan(store, plan, "run-a", {"scenario": "random"})
     second = store_plan(store, plan, "run-b", {"scenario": "random"})
-    assert first != second
-    assert load_plan(store, first) == plan
-    assert load_plan(store, "latest") == plan
+    assert first.plan_id != second.plan_id and first.plan_id and second.plan_id
+    assert load_plan(store, first.plan_id) == first
+    assert latest_plan(store, plan.scenario, plan.method) == second
+    assert replace(load_plan(store, first.plan_id), plan_id="") == plan
+    with pytest.raises(CoralError, match="no homo plan"):
+        latest_plan(store, plan.scenario, "homo")
     rows = store.query("SELECT plan_id, count(*) AS n, sum(count * usd_per_hour) AS cost FROM plan_instances "
                        "GROUP BY plan_id ORDER BY plan_id")
     assert list(rows["n"]) == [len(plan.instances)] * 2

@@ -8,7 +8,7 @@ from assets.automation import reallocation_sensor
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.catalog.store import append_snapshot
 from coral_dagster.definitions import defs
-from coral_dagster.planning import store_demand
+from coral_dagster.app.rounds import store_demand
 from coral_dagster.store import Store
 from resources import CoralDuckDB, SolverSettings
 

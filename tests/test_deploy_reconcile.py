@@ -349,7 +349,12 @@ def test_plan_with_node_missing_from_prices_is_refused(store):
 
 
 def _cli(monkeypatch, args, p: Plan, plan_id: str):
-    monkeypatch.setattr(launch_cli, "_load_plan", lambda store, ref: (plan_id, p))
+    from dataclasses import replace
+
+    from coral_dagster.app import deployment
+
+    monkeypatch.setattr(launch_cli, "_load_plan", lambda store, ref, scenario, method: replace(p, plan_id=plan_id))
+    monkeypatch.setattr(deployment, "snapshot_prices", lambda store, plan: PRICES)
     command = launch_cli.launch if args[0] == "launch" else launch_cli.status
     result = CliRunner().invoke(command, args[1:], catch_exceptions=False)
     assert result.exit_code == 0, result.output
@@ -391,11 +396,43 @@ def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
     assert "3 instance(s)" in text
 
 
-def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
+def _store_on_snapshot(store, p: Plan, price_scale: float = 1.0) -> str:
+    """Store the plan on core's bundled market snapshot with every price times `price_scale`; its plan id."""
+    from dataclasses import replace
+
     from coral_dagster.allocation.storage import store_plan
+    from coral_dagster.catalog.market import MarketSnapshot
+    from coral_dagster.catalog.scenarios import load_scenario
+    from coral_dagster.catalog.store import append_snapshot
+
+    snap = load_scenario("core").market()
+    snap = MarketSnapshot(f"{snap.snapshot_id}-p{price_scale:g}", snap.taken_at, tuple(
+        replace(o, usd_per_hour=o.usd_per_hour * price_scale) for o in snap.offers))
+    append_snapshot(store, snap)
+    return store_plan(store, replace(p, snapshot_id=snap.snapshot_id), "run-1", {}).plan_id
+
+
+def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):
+    """Two plans of the same instances on snapshots whose prices differ 3×: each dry run prices its GPU nodes from
+    its own snapshot, and the sum is what the bundled price table gives times that snapshot's factor."""
+    from coral_dagster.app.deployment import deploy
+    from coral_dagster.deploy.reconcile import plan_diff
+    from coral_dagster.allocation.storage import load_plan
+    from resources.launcher import SkyPilotLauncher
+
+    bundled = sum(n.usd_per_hour for n in plan_diff(P1, "p", nodes(store), PRICES).nodes_to_launch()
+                  if n.role == "engine")
+    for scale in (1.0, 3.0):
+        plan = load_plan(store, _store_on_snapshot(store, P1, scale))
+        report = deploy(store, plan, SkyPilotLauncher(out_dir=str(tmp_path / f"x{scale:g}")))
+        assert report["plan_id"] == plan.plan_id
+        assert report["gpu_usd_per_hour"] == pytest.approx(bundled * scale, rel=1e-6)
+
+
+def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
     from coral_dagster.deploy import sky_adapter
 
-    plan_id = store_plan(store, P1, "run-1", {})
+    plan_id = _store_on_snapshot(store, P1)
     runner = CliRunner()
     dry = runner.invoke(launch_cli.launch, ["--dry-run", "--json", "--db", str(store.path), "--out",
                                             str(tmp_path / "y")], catch_exceptions=False)

@@ -36,8 +36,8 @@ PLAN_B = {("phi-4", "prefill", "aws:us-east-2", "1xL40S:1"): 3, ("qwen3-32b", "d
 
 def _store(tmp_path) -> tuple[Store, str, str]:
     store = Store(tmp_path / "c.duckdb")
-    a = store_plan(store, _plan(PLAN_A), "run-a", {})
-    b = store_plan(store, _plan(PLAN_B), "run-b", {})
+    a = store_plan(store, _plan(PLAN_A), "run-a", {}).plan_id
+    b = store_plan(store, _plan(PLAN_B), "run-b", {}).plan_id
     create_views(store)
     return store, a, b
 

@@ -14,7 +14,7 @@ from coral_dagster.runtime.generate import generate_tokens
 from coral_dagster.runtime.security import CurveKeys, is_local
 from coral_dagster.runtime.tiny import decoder_config
 from coral_dagster.runtime.tokenizer import BOS, EOS, ByteTokenizer, finish_reason
-from coral_dagster.runtime.wrr import WeightedRoundRobin
+from coral_dagster.routing import WeightedRoundRobin
 
 torch = pytest.importorskip("torch")
 

@@ -35,7 +35,7 @@ def _run(args):
 
 def test_stored_plan_by_latest_and_by_file(tmp_path):
     db = tmp_path / "coral.duckdb"
-    plan_id = store_plan(Store(db), small_plan(), "test-run", {})
+    plan_id = store_plan(Store(db), small_plan(), "test-run", {}).plan_id
     common = ["--scenario", "core", "--duration-s", "60", "--trace", "poisson", "--rate-scale", "0.3",
               "--db", str(db), "--json"]
     latest = _run(["--plan", "latest", *common])

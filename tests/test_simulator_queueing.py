@@ -161,12 +161,14 @@ def test_nothing_is_lost():
 
 
 def test_router_and_scheduler_follow_weights_and_shares():
-    """Instances receive requests in proportion to template throughput; stage nodes in proportion to shares."""
+    """Instances receive requests in proportion to template throughput; stage nodes in proportion to shares (the
+    decode instance is the prefills' route; one-token requests never reach it)."""
     a = template("prefill", (Stage(0, 40, (L4,), (1.0,)),), 1000)
     b = template("prefill", (Stage(0, 40, (L40S,), (1.0,)),), 3000)
     c = template("prefill", (Stage(0, 20, (L4, L40S, H100), (0.2, 0.3, 0.5)), Stage(20, 40, (H100,), (1.0,))), 6000)
+    d = template("decode", (Stage(0, 40, (H100,), (1.0,)),), 1e6)
     n, prompt = 10_000, 100
-    eng = Engine(plan_of((a, 1), (b, 1), (c, 1)), workload(np.arange(n) * 0.01, prompt, 1), LinearModel())
+    eng = Engine(plan_of((a, 1), (b, 1), (c, 1), (d, 1)), workload(np.arange(n) * 0.01, prompt, 1), LinearModel())
     eng.run()
     per_node = {(n_.inst.template_id, n_.stage, str(n_.config)): n_.prefill_tokens / prompt for n_ in eng.nodes}
     assert per_node[(a.template_id, 0, "L4:1")] == pytest.approx(n * 0.1, abs=1)
@@ -264,29 +266,3 @@ def test_inconsistent_template_is_refused():
         bad = Template("phi-4", "aggregated", 1000.0, nodes, stages, 1.0, "compute")
         with pytest.raises(CoralError, match=problem):
             Engine(plan_of((bad, 1)), workload([0.0], 10, 2), LinearModel())
-
-
-def test_entry_weights_send_each_region_what_both_phases_take():
-    """Prefill 2:1 over regions a and b, decode 1:1: a takes half of the decode-bound requests' worth (0.5), b what
-    its third of the prefill takes (1/3), so a:b = 3:2, within a by weight; c, without decode, gets none;
-    aggregated instances keep their weight."""
-    from types import SimpleNamespace as I
-
-    from coral_dagster.simulator.engine import _Stride, entry_weights
-
-    entry = [I(phase="prefill", region="a", weight=300.0), I(phase="prefill", region="a", weight=100.0),
-             I(phase="prefill", region="b", weight=200.0), I(phase="prefill", region="c", weight=50.0),
-             I(phase="aggregated", region="c", weight=70.0)]
-    decode = [I(phase="decode", region="a", weight=10.0), I(phase="decode", region="b", weight=10.0)]
-    w = entry_weights(entry, decode)
-    assert w[4] == 70.0 and w[3] == 0.0
-    assert (w[0] + w[1]) / w[2] == pytest.approx(1.5) and sum(w[:4]) == pytest.approx(600.0)
-    assert w[0] == pytest.approx(3 * w[1])
-    picks = _Stride(w)
-    counts = [0] * len(w)
-    for _ in range(7200):
-        counts[picks.pick()] += 1
-    assert counts[3] == 0
-    assert (counts[0] + counts[1]) / counts[2] == pytest.approx(1.5, rel=0.01)
-    # No region holds both phases: the weights stay as they are.
-    assert entry_weights(entry[:2], decode[1:]) == [300.0, 100.0]

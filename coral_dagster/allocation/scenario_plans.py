@@ -36,11 +36,12 @@ def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
                   demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
                   time_limit_s: float = 30.0, db_path: str | None = None,
-                  templates: Sequence[Template] | None = None) -> Plan:
+                  templates: Sequence[Template] | None = None, market=None) -> Plan:
     """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
-    it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster)."""
+    it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
+    replaces the scenario's bundled snapshot scaled by `availability_scale`."""
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
-    market = scn.market(availability_scale=availability_scale)
+    market = market or scn.market(availability_scale=availability_scale)
     if method == "helix":
         from coral_dagster.allocation.helix import helix_plan
 

@@ -1,4 +1,5 @@
-"""Plans in DuckDB: `plans` (one row a plan) and `plan_instances` (one row a template in a region), written together.
+"""Plans in DuckDB: `plans` (one row a plan), `plan_instances` (one row a template in a region) and `plan_routes`
+(the share of each model's requests each region receives under the routing policy), written together.
 
 `plan_instances.usd_per_hour` and `.tokens_per_s` are per instance (the views multiply by `count`); `stages_json`
 keeps each template's placement so a loaded plan can be deployed or re-planned against. `plans.detail_json`
@@ -31,6 +32,8 @@ INSTANCE_COLUMNS = {
     "nodes": "object", "count": "int64", "tokens_per_s": "float64", "usd_per_hour": "float64",
     "slo_ms": "float64", "bound": "object", "pp_partition": "object", "stages_json": "object",
 }
+
+ROUTE_COLUMNS = {"plan_id": "object", "model": "object", "region": "object", "share": "float64"}
 
 
 def _stages_json(t: Template) -> str:
@@ -73,13 +76,22 @@ def plan_frames(plan: Plan, plan_id: str, run_id: str, inputs: Mapping[str, Any]
     return plans, instances
 
 
+def route_frame(plan: Plan, plan_id: str) -> pd.DataFrame:
+    """One row per (model, region) the plan routes requests to, with its share."""
+    rows = [{"plan_id": plan_id, "model": m, "region": r, "share": float(x)}
+            for m, by_region in plan.routing_shares.items() for r, x in by_region.items()]
+    return pd.DataFrame(rows, columns=list(ROUTE_COLUMNS)).astype(ROUTE_COLUMNS)
+
+
 def new_plan_id(plan: Plan, created_at: datetime) -> str:
     digest = hashlib.sha1(json.dumps(plan.as_dict(), sort_keys=True, default=str).encode()).hexdigest()[:8]
     return f"{plan.scenario}-{plan.method}-{created_at:%Y%m%dT%H%M%S%f}-{digest}"
 
 
-def store_plan(store, plan: Plan, run_id: str, inputs: Mapping[str, Any]) -> str:
-    """Write the plan and its instances in one transaction; returns the new plan_id."""
+def store_plan(store, plan: Plan, run_id: str, inputs: Mapping[str, Any]) -> Plan:
+    """Write the plan, its instances and its routes in one transaction; returns the plan with its new plan_id."""
+    from dataclasses import replace
+
     from coral_dagster.store.duck import write_frame
 
     created_at = datetime.now(timezone.utc)
@@ -88,23 +100,15 @@ def store_plan(store, plan: Plan, run_id: str, inputs: Mapping[str, Any]) -> str
     with store.transaction() as con:
         write_frame(con, "plans", plans)
         write_frame(con, "plan_instances", instances)
-    return plan_id
+        write_frame(con, "plan_routes", route_frame(plan, plan_id))
+    return replace(plan, plan_id=plan_id)
 
 
-def load_plan(store, plan_id: str = "latest", *, scenario: str | None = None, method: str | None = None) -> Plan:
-    """A stored plan by id, or the newest one (`latest`, optionally of one scenario and method)."""
+def load_plan(store, plan_id: str) -> Plan:
+    """A stored plan by its id (`coral_dagster.app.plans.latest_plan` finds the newest of a scenario and method)."""
     if "plans" not in store.tables():
         raise CoralError(f"no plans are stored in {store.path}.", "make one with `coral plan --scenario core`.")
-    if plan_id == "latest":
-        where, params = [], []
-        for col, val in (("scenario", scenario), ("method", method)):
-            if val is not None:
-                where.append(f"{col} = ?")
-                params.append(val)
-        sql = "SELECT * FROM plans" + (" WHERE " + " AND ".join(where) if where else "")
-        rows = store.query(sql + " ORDER BY created_at DESC, plan_id DESC LIMIT 1", params)
-    else:
-        rows = store.query("SELECT * FROM plans WHERE plan_id = ?", [plan_id])
+    rows = store.query("SELECT * FROM plans WHERE plan_id = ?", [plan_id])
     if rows.empty:
         known = store.query("SELECT plan_id FROM plans ORDER BY created_at DESC LIMIT 5")["plan_id"].tolist()
         raise CoralError(f"plan {plan_id!r} is not in {store.path}.",
@@ -132,5 +136,6 @@ def load_plan(store, plan_id: str = "latest", *, scenario: str | None = None, me
         bottlenecks=tuple(Bottleneck(b["kind"], b["name"], b["region"], b["needed"], b["available"])
                           for b in detail["bottlenecks"]),
         pruning=detail["pruning"], snapshot_id=row["snapshot_id"], timings_s=detail["timings_s"],
+        plan_id=str(row["plan_id"]),
     )
 

@@ -89,6 +89,15 @@ class Plan:
     pruning: Mapping[str, object] | None = None
     snapshot_id: str = ""
     timings_s: Mapping[str, float] = field(default_factory=dict)
+    plan_id: str = ""
+
+    @property
+    def routing_shares(self) -> dict[str, dict[str, float]]:
+        """Per model, the share of its requests each region receives under the routing policy
+        (`coral_dagster.routing`, the one the simulator and the coordinator run)."""
+        from coral_dagster.routing import plan_shares
+
+        return plan_shares(self)
 
     @property
     def objective_usd_per_hour(self) -> float:
@@ -126,6 +135,7 @@ class Plan:
         """The JSON shape `coral plan --json` prints; an instance's `tokens_per_s` and `usd_per_hour` are for
         all `count` instances, `template_tokens_per_s` and `instance_usd_per_hour` for one."""
         return {
+            "plan_id": self.plan_id or None,
             "scenario": self.scenario, "method": self.method, "status": self.status,
             "cost_usd_per_hour": self.cost_usd_per_hour, "churn_usd_per_hour": self.churn_usd_per_hour,
             "lp_bound_usd_per_hour": _finite(self.lp_bound_usd_per_hour),
@@ -145,6 +155,7 @@ class Plan:
             "served": {f"{m}/{p}": {"demand_tokens_per_s": d, "served_tokens_per_s":
                                     self.served_tokens_per_s.get((m, p), 0.0)}
                        for (m, p), d in sorted(self.demand_tokens_per_s.items())},
+            "routing_shares": self.routing_shares,
             "bottlenecks": [b.as_dict() for b in self.bottlenecks],
             "pruning": dict(self.pruning) if self.pruning else None,
             "timings_s": dict(self.timings_s),

@@ -8,7 +8,9 @@ from pathlib import Path
 import click
 import pandas as pd
 
+from coral_dagster.allocation.types import METHODS
 from coral_dagster.cli._out import db_option, emit, emit_json, json_option
+from coral_dagster.errors import CoralError
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -16,16 +18,15 @@ def _records(df: pd.DataFrame) -> list[dict]:
     return json.loads(df.to_json(orient="records", date_format="iso"))
 
 
-def _load_plan(store, ref: str):
-    """(plan_id, Plan) for a plan id or "latest", from the plans the allocation stage stored."""
-    from coral_dagster.allocation.storage import load_plan
+def _load_plan(store, ref: str, scenario: str, method: str):
+    """The plan to deploy: `latest` of the scenario and method, a stored plan id, or a plan file with a plan_id."""
+    from coral_dagster.app.plans import resolve_plan
 
-    plan = load_plan(store, ref)
-    if ref != "latest":
-        return ref, plan
-    # The same order load_plan uses for "latest"; the id names the clusters this plan launches.
-    newest = store.query("SELECT plan_id FROM plans ORDER BY created_at DESC, plan_id DESC LIMIT 1")
-    return str(newest.plan_id.iloc[0]), plan
+    plan = resolve_plan(store, ref, scenario, method)
+    if not plan.plan_id:
+        raise CoralError(f"plan {ref} is not stored, so its clusters could not be named or its prices found.",
+                         "store it with `coral plan` and launch it by id or as `latest`.")
+    return plan
 
 
 def _actions(diff) -> pd.DataFrame:
@@ -43,7 +44,11 @@ def _actions(diff) -> pd.DataFrame:
 
 @click.command("launch")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
-              help="Plan id (see `coral plan --json`), or 'latest'.")
+              help="'latest' (the scenario's newest plan of --method), a plan id (see `coral plan --json`), or a "
+                   "plan JSON file naming a stored plan_id.")
+@click.option("--scenario", default="core", show_default=True, help="Scenario whose plan `latest` means.")
+@click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
+              help="Method whose plan `latest` means.")
 @click.option("--dry-run", is_flag=True,
               help="Write the task YAMLs and print the sky launch / sky down commands; launch nothing.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -54,7 +59,7 @@ def _actions(diff) -> pd.DataFrame:
               help="Let SkyPilot keep retrying a node when its region has no capacity (default: fail and roll back).")
 @json_option
 @db_option
-def launch(plan_ref: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float, retry_until_up: bool,
+def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float, retry_until_up: bool,
            as_json: bool, db_path: str | None) -> None:
     """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
 
@@ -65,31 +70,38 @@ def launch(plan_ref: str, dry_run: bool, out_dir: str | None, drain_timeout_s: f
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
     from coral_dagster import paths
-    from coral_dagster.catalog.prices import load_node_prices
+    from coral_dagster.app.deployment import snapshot_prices
+    from coral_dagster.app.plans import plan_label
     from coral_dagster.deploy import state
     from coral_dagster.deploy.names import plan_tag
     from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
     from coral_dagster.store import Store
 
     store = Store(db_path)
-    plan_id, plan = _load_plan(store, plan_ref)
-    prices = load_node_prices()
+    plan = _load_plan(store, plan_ref, scenario, method)
+    plan_id, label = plan.plan_id, plan_label(plan)
+    prices = snapshot_prices(store, plan)
     if dry_run:
         diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
         out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
         dry = write_dry_run(diff, out)
         actions = _actions(diff)
         if as_json:
-            emit_json({"plan_id": plan_id, "dry_run": True, "out": str(out),
+            emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True,
+                       "plan_usd_per_hour": plan.cost_usd_per_hour,
+                       "gpu_usd_per_hour": sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine"), "out": str(out),
                        "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
                        "keep": list(diff.keep), "actions": _records(actions)})
             return
         if not diff.changes:
-            click.echo(f"plan {plan_id}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
+            click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
             return
-        gpu_usd = sum(n.usd_per_hour for n in diff.nodes_to_launch())
-        emit(actions, False, title=f"plan {plan_id}: launch {gpu_usd:.2f} $/h of GPU nodes, "
-                                   f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
+        gpu_usd = sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine")
+        others = sum(1 for n in diff.nodes_to_launch() if n.role != "engine")
+        emit(actions, False, title=f"{label} (${plan.cost_usd_per_hour:,.2f}/h planned): launch "
+                                   f"${gpu_usd:,.2f}/h of GPU nodes from snapshot {plan.snapshot_id}"
+                                   + (f" and {others} CPU node(s)" if others else "")
+                                   + f", remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
         click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")
         for line in dry.commands:
             click.echo(line)

@@ -10,11 +10,11 @@ import click
 
 from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
 
-METHODS = ("coral", "homo", "homo-ilp", "cauchy", "helix")
+from coral_dagster.allocation.types import METHODS
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 
-def _print_plan(plan, plan_id: str | None) -> None:
+def _print_plan(plan) -> None:
     import pandas as pd
 
     rows = [{"model": i.template.model, "phase": i.template.phase, "region": i.region,
@@ -22,7 +22,7 @@ def _print_plan(plan, plan_id: str | None) -> None:
              "usd_per_hour": i.usd_per_hour * i.count} for i in plan.instances]
     emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
                                            "usd_per_hour"]),
-               title=f"{plan.scenario} / {plan.method}: {plan.status}")
+               title=f"{plan.scenario}: {plan.method} plan {plan.plan_id or '(not stored)'}: {plan.status}")
     served = [{"model": m, "phase": p, "demand_tokens_per_s": d,
                "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
@@ -37,8 +37,8 @@ def _print_plan(plan, plan_id: str | None) -> None:
         click.echo(f"bottleneck: {b.describe()}")
     for note in plan.notes:
         click.echo(f"note: {note}")
-    if plan_id:
-        click.echo(f"stored as plan {plan_id}")
+    if plan.plan_id:
+        click.echo(f"stored as plan {plan.plan_id} (market snapshot {plan.snapshot_id})")
 
 
 @click.command("plan")
@@ -50,7 +50,8 @@ def _print_plan(plan, plan_id: str | None) -> None:
 @click.option("--demand-mix", type=click.Choice(MIXES), default="uniform", show_default=True,
               help="Move 80% of requests to the largest or smallest third of the models (total kept).")
 @click.option("--running", "running_id", default=None,
-              help="Plan id (or `latest`) of the plan running now; launching beyond it pays the churn penalty.")
+              help="Plan id (or `latest`: the scenario's newest plan of --method) of the plan running now; "
+                   "launching beyond it pays the churn penalty.")
 @click.option("--scarcity", type=click.Choice(["none", "scale", "fair"]), default="none", show_default=True,
               help="When demand cannot be met: error (none), scale every model alike, or max-min fair share.")
 @click.option("--time-limit-s", type=float, default=30.0, show_default=True, help="Solver time limit.")
@@ -67,24 +68,30 @@ def plan(scenario: str, method: str, availability_scale: float, demand_mix: str,
     bound and gap; under scarcity, which models and node configurations bind.
     """
     from coral_dagster.allocation.scenario_plans import plan_scenario
-    from coral_dagster.allocation.storage import load_plan, store_plan
+    from coral_dagster.allocation.storage import store_plan
+    from coral_dagster.app.plans import resolve_plan
+    from coral_dagster.catalog.scenarios import load_scenario
+    from coral_dagster.catalog.store import append_snapshot
     from coral_dagster.store import Store
 
     store = Store(db_path)
-    running = load_plan(store, running_id) if running_id else None
-    result = plan_scenario(scenario, method=method, availability_scale=availability_scale, demand_mix=demand_mix,
-                           running=running, scarcity=None if scarcity == "none" else scarcity,
-                           time_limit_s=time_limit_s, db_path=db_path)
-    plan_id = None
+    running = resolve_plan(store, running_id, scenario, method) if running_id else None
+    scn = load_scenario(scenario)
+    market = scn.market(availability_scale=availability_scale)
+    result = plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
+                           scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
+                           db_path=db_path)
     if save:
         inputs = {"scenario": scenario, "method": method, "availability_scale": availability_scale,
-                  "demand_mix": demand_mix, "running": running_id, "scarcity": scarcity,
+                  "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
                   "time_limit_s": time_limit_s}
-        plan_id = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
+        if result.snapshot_id == market.snapshot_id:
+            append_snapshot(store, market)
+        result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
     if as_json:
-        emit_json({"plan_id": plan_id, **result.as_dict()})
+        emit_json(result.as_dict())
     else:
-        _print_plan(result, plan_id)
+        _print_plan(result)
 
 
 @click.group("bench")

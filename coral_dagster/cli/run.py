@@ -24,10 +24,10 @@ def cli(scenario: str, simulate_s: float, db_path: str | None, as_json: bool) ->
     """
     if db_path:
         os.environ["CORAL_DB"] = str(db_path)
-    from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.app.plans import latest_plan
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.definitions import materialize_pipeline
-    from coral_dagster.planning import plan_by_model_region
+    from coral_dagster.app.rounds import plan_by_model_region
     from coral_dagster.store import Store
 
     sc = load_scenario(scenario)
@@ -41,7 +41,7 @@ def cli(scenario: str, simulate_s: float, db_path: str | None, as_json: bool) ->
     store = Store()
     history = store.query("SELECT * FROM plan_history WHERE scenario = ? ORDER BY created_at DESC", [scenario])
     latest = history.groupby("method").head(1).set_index("method")
-    plan = load_plan(store, latest.loc["coral", "plan_id"])
+    plan = latest_plan(store, scenario)
     sim = store.query("SELECT model, attainment, goodput_tokens_per_s FROM simulations WHERE plan_id = ? "
                       "ORDER BY simulated_at DESC, model LIMIT ?", [latest.loc["coral", "plan_id"], len(sc.models)])
     summary = {"db": str(store.path), "scenario": scenario, "plan": plan.as_dict(),

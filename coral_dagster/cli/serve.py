@@ -135,13 +135,18 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
       help="The coordinator's ZeroMQ endpoint.")
 @_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:5600", show_default=True,
       help="ZeroMQ endpoint the engine nodes connect to.")
+@_opt("--region", env="REGION", default="local", show_default=True,
+      help="The instance's cloud region; the router keeps a request's prefill and decode in one region.")
+@_opt("--route-weight", env="ROUTE_WEIGHT", type=float, default=0.0, show_default=True,
+      help="The plan's routing weight of this instance (share of its model's demand); 0: weigh by --tokens-per-s.")
 @_opt("--tokens-per-s", env="TOKENS_PER_S", type=float, default=1.0, show_default=True,
       help="The template's throughput; the router's weight for this instance.")
 @_insecure
 @_timing_options
 @_json
 def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator: str, listen: str,
-                  tokens_per_s: float, insecure: bool, as_json: bool, **kw: Any) -> None:
+                  tokens_per_s: float, region: str, route_weight: float, insecure: bool, as_json: bool,
+                  **kw: Any) -> None:
     """Admit this instance's engine nodes, register with the coordinator when ready, and drive requests.
 
     The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
@@ -152,7 +157,8 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
     _setup_logging()
     cfg = SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
                           n_layers=model_layers(model), coordinator=coordinator, listen=listen,
-                          tokens_per_s=tokens_per_s, timing=_timing(kw))
+                          tokens_per_s=tokens_per_s, timing=_timing(kw), region=region,
+                          route_weight=route_weight)
     sched = Scheduler(cfg, keys=_keys(), insecure=insecure)
     stop = threading.Event()
     drain = threading.Event()

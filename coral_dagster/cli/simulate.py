@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
@@ -13,75 +12,28 @@ from coral_dagster.errors import CoralError
 from coral_dagster.simulator.simulate import TRAFFIC
 
 
-def plan_from_json(doc: dict):
-    """A Plan from a JSON document whose instances carry their stages (`stages` or `stages_json`)."""
-    from coral_dagster.allocation.types import Plan, PlannedInstance
-    from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-    from coral_dagster.templates.types import Stage, Template
-
-    instances = []
-    for row in doc.get("instances", []):
-        raw = row.get("stages", row.get("stages_json"))
-        raw = json.loads(raw) if isinstance(raw, str) else raw
-        stages = tuple(Stage(int(s["start"]), int(s["end"]), tuple(NodeConfig.parse(n) for n in s["nodes"]),
-                             tuple(float(x) for x in s["shares"])) for s in raw)
-        count = int(row["count"])
-        # `coral plan --json` prints tokens/s and $/h of all `count` instances together.
-        template = Template(row["model"], row["phase"], float(row.get("slo_ms", 0.0)),
-                            NodeMultiset.of([n for s in stages for n in s.nodes]), stages,
-                            float(row["tokens_per_s"]) / max(count, 1), row.get("bound", "compute"))
-        instances.append(PlannedInstance(template, row["region"], count, float(row["usd_per_hour"]) / max(count, 1)))
-    return Plan(doc.get("scenario", ""), doc.get("method", "coral"), doc.get("status", "optimal"),
-                float(doc.get("cost_usd_per_hour") or 0.0), float(doc.get("lp_bound_usd_per_hour") or 0.0),
-                float(doc.get("gap") or 0.0), float(doc.get("solve_s") or 0.0), tuple(instances), {}, {})
-
-
-def _plan_file(path: Path, db_path: str | None):
-    """A plan file: instances with stages are read as they are; otherwise its plan_id is looked up in the store."""
-    if not path.is_file():
-        raise CoralError(f"plan file {path} does not exist.", "give the JSON `coral plan --json` printed.")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CoralError(f"plan file {path} is not JSON ({exc}).", "give the JSON `coral plan --json` printed.")
-    rows = doc.get("instances")
-    if not isinstance(rows, list):
-        raise CoralError(f"plan file {path} has no instances list.", "give the JSON `coral plan --json` printed.")
-    if all("stages" in r or "stages_json" in r for r in rows):
-        return plan_from_json(doc)
-    if not doc.get("plan_id"):
-        raise CoralError(f"plan file {path} lists instances without their stages and has no plan_id.",
-                         "store the plan (`coral plan` without --no-store) and pass its plan_id or the file.")
-    from coral_dagster.allocation.storage import load_plan
+def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str, db_path: str | None):
+    """(label, Plan): a fresh plan of --method, or a stored plan (`latest` of the scenario and method, an id, or a
+    JSON file)."""
+    from coral_dagster.app.plans import plan_label, resolve_plan
     from coral_dagster.store import Store
 
-    return load_plan(Store(db_path), doc["plan_id"])
-
-
-def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str | None):
-    """(label, Plan): a fresh plan for --method, a JSON file, or a stored plan id / latest of the scenario."""
-    if method:
+    if fresh:
         from coral_dagster.allocation.scenario_plans import plan_scenario
 
-        return f"fresh {method}", plan_scenario(scenario, method=method, db_path=db_path)
-    path = Path(plan_ref)
-    if path.suffix == ".json" or path.is_file():
-        return str(path), _plan_file(path, db_path)
-    from coral_dagster.allocation.storage import load_plan
-    from coral_dagster.store import Store
-
-    store = Store(db_path)
-    if plan_ref == "latest":
-        return f"latest {scenario}", load_plan(store, "latest", scenario=scenario)
-    return plan_ref, load_plan(store, plan_ref)
+        return f"fresh {method} plan (unstored)", plan_scenario(scenario, method=method, db_path=db_path)
+    plan = resolve_plan(Store(db_path), plan_ref, scenario, method)
+    return plan_label(plan), plan
 
 
 @click.command("simulate")
 @click.option("--scenario", default="core", show_default=True, help="Bundled scenario: models, SLOs, rates, links.")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
-              help="'latest', a stored plan id, or a plan JSON file as `coral plan --json` prints it.")
-@click.option("--method", type=click.Choice(METHODS), default=None,
-              help="Instead of --plan, compute a fresh plan for the scenario with this method.")
+              help="'latest' (the scenario's newest plan of --method), a stored plan id, or a plan JSON file as "
+                   "`coral plan --json` prints it.")
+@click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
+              help="Which method's plan `latest` means (or --fresh plans with).")
+@click.option("--fresh", is_flag=True, help="Instead of a stored plan, compute a new plan of --method now.")
 @click.option("--trace", "traffic", type=click.Choice(TRAFFIC), default="scenario", show_default=True,
               help="Arrivals: each model's own trace replayed at its rate, one trace for all, or Poisson / Gamma "
                    "arrivals with trace lengths.")
@@ -95,7 +47,7 @@ def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str
               help="Write latency_cdf.png and goodput.png into this folder.")
 @db_option
 @json_option
-def cli(scenario: str, plan_ref: str, method: str | None, traffic: str, gamma_cv: float, duration_s: float,
+def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, gamma_cv: float, duration_s: float,
         seed: int, rate_scale: float, plots_dir: str | None, db_path: str | None, as_json: bool) -> None:
     """Simulate a plan serving the scenario's traffic, request by request.
 
@@ -107,7 +59,7 @@ def cli(scenario: str, plan_ref: str, method: str | None, traffic: str, gamma_cv
 
     if rate_scale <= 0:
         raise CoralError(f"--rate-scale {rate_scale}.", "give a positive factor, e.g. 1 or 2.")
-    label, plan = _resolve_plan(plan_ref, method, scenario, db_path)
+    label, plan = _resolve_plan(plan_ref, method, fresh, scenario, db_path)
     result = simulate_plan(plan, scenario, trace=traffic, duration_s=duration_s, seed=seed, rate_scale=rate_scale,
                            gamma_cv=gamma_cv)
     plots = {}
@@ -118,13 +70,13 @@ def cli(scenario: str, plan_ref: str, method: str | None, traffic: str, gamma_cv
         out.mkdir(parents=True, exist_ok=True)
         plots = {"latency_cdf": str(plot_latency_cdf(result, out / "latency_cdf.png")),
                  "goodput": str(plot_goodput(result, out / "goodput.png"))}
-    summary = {"plan": label, **result.summary(), "plots": plots}
+    summary = {"plan": label, "plan_id": plan.plan_id or None, **result.summary(), "plots": plots}
     if as_json:
         emit_json(summary)
         return
     cols = ["model", "arrivals", "attainment", "goodput_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
             "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mean_busy_fraction"]
-    emit_table(result.by_model[cols], title=f"{scenario}: plan {label} ({result.method}), {result.arrivals} "
+    emit_table(result.by_model[cols], title=f"{scenario}: {label}, {result.arrivals} "
                                             f"x{rate_scale:g}, {duration_s:g} s")
     c = result.counts
     click.echo(f"attainment {result.attainment:.2%}, goodput {result.goodput_tokens_per_s:,.0f} tokens/s, "

@@ -14,6 +14,7 @@ from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.deploy import names
 from coral_dagster.errors import CoralError
+from coral_dagster.routing import instance_weight
 from coral_dagster.templates.types import Template
 
 Role = Literal["coordinator", "scheduler", "engine"]
@@ -42,6 +43,7 @@ class InstanceShape:
     use_spot: bool
     count: int
     prices: tuple[NodePrice, ...]
+    route_weight: float = 0.0  # the routing policy's weight of one instance (`coral_dagster.routing`)
 
     @property
     def fingerprint(self) -> str:
@@ -155,7 +157,9 @@ def instance_shapes(plan: Plan, prices: pd.DataFrame) -> tuple[InstanceShape, ..
         use_spot = _use_spot(inst)
         for p in node_prices:
             _rate(p, use_spot)
-        shapes.append(InstanceShape(inst.template, inst.region, use_spot, inst.count, tuple(node_prices)))
+        weight = instance_weight(inst.template.phase, inst.template.tokens_per_s, plan.demand_tokens_per_s,
+                                 inst.template.model)
+        shapes.append(InstanceShape(inst.template, inst.region, use_spot, inst.count, tuple(node_prices), weight))
     shapes.sort(key=lambda s: (s.template.model, s.template.phase, s.region, s.template.template_id, s.fingerprint))
     fps = [s.fingerprint for s in shapes]
     if len(set(fps)) != len(fps):
@@ -205,6 +209,8 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
         "CORAL_PHASE": t.phase,
         "CORAL_SPLIT": t.pp_partition,
         "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
+        "CORAL_REGION": shape.region,
+        "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
     }
     scheduler = NodeSpec(cluster_name=sched, role="scheduler", envs=tuple(sorted(sched_envs.items())), **common)
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, (scheduler, *engines))

@@ -87,6 +87,8 @@ class SchedulerConfig:
     listen: str = "tcp://127.0.0.1:5600"
     tokens_per_s: float = 1.0
     timing: Timing = field(default_factory=Timing)
+    region: str = "local"
+    route_weight: float = 0.0  # the plan's routing weight (`coral_dagster.routing.instance_weight`); 0: tokens_per_s
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

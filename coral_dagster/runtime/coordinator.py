@@ -16,7 +16,7 @@ from coral_dagster.runtime.config import CoordinatorConfig
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.security import CurveKeys, Security, is_local
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
-from coral_dagster.runtime.wrr import WeightedRoundRobin
+from coral_dagster.routing import Candidate, Router
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,8 @@ class _Instance:
     tokens_per_s: float
     stages: list[dict[str, Any]]
     last_seen: float
+    region: str = "local"
+    weight: float = 0.0
     state: str = "ready"
     problem: str = ""
     requests: set[str] = field(default_factory=set)
@@ -88,7 +90,7 @@ class Coordinator:
         self.departed: list[str] = []
         self.requests: dict[str, _Request] = {}
         self.tokenizer = ByteTokenizer()
-        self._wrr: dict[tuple[str, str], WeightedRoundRobin] = {}
+        self.routing = Router()
         self._ids = itertools.count()
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0}
         self.http = None
@@ -157,9 +159,11 @@ class Coordinator:
 
     def _register(self, ident: bytes, name: str, h: dict[str, Any], now: float) -> None:
         old = self.instances.get(name)
-        inst = _Instance(name, ident, str(h["model"]), str(h["phase"]), float(h["tokens_per_s"]),
-                         list(h.get("stages", [])), now, requests=old.requests if old else set(),
-                         served=old.served if old else 0)
+        tokens_per_s = float(h["tokens_per_s"])
+        inst = _Instance(name, ident, str(h["model"]), str(h["phase"]), tokens_per_s,
+                         list(h.get("stages", [])), now, region=str(h.get("region") or "local"),
+                         weight=float(h.get("weight") or tokens_per_s),
+                         requests=old.requests if old else set(), served=old.served if old else 0)
         self.instances[name] = inst
         log.info("instance %s (%s %s, %g tok/s) registered", name, inst.model, inst.phase, inst.tokens_per_s)
         wire.send(self.router, {"kind": "registered"}, to=ident)
@@ -185,15 +189,10 @@ class Coordinator:
         for rid in list(inst.requests):
             self._attempt_failed(inst, {"rid": rid, "problem": f"instance {inst.name} left"}, now)
 
-    def _ready(self, model: str, phase: str) -> dict[str, float]:
-        return {i.name: i.tokens_per_s for i in self.instances.values()
-                if i.model == model and i.phase == phase and i.state == "ready"}
-
-    def _pick(self, model: str, phase: str) -> _Instance | None:
-        weights = self._ready(model, phase)
-        if not weights:
-            return None
-        return self.instances[self._wrr.setdefault((model, phase), WeightedRoundRobin()).pick(weights)]
+    def _candidates(self, model: str) -> list[Candidate]:
+        """The model's ready instances as the routing policy sees them (weight: the share of demand the plan gave)."""
+        return [Candidate(i.name, i.model, i.phase, i.region, i.weight) for i in self.instances.values()
+                if i.model == model and i.state == "ready"]
 
     def _check(self, now: float) -> None:
         t = self.cfg.timing
@@ -231,19 +230,23 @@ class Coordinator:
         return sorted(set(self.cfg.models) | {i.model for i in self.instances.values()})
 
     def _dispatch(self, r: _Request, now: float) -> None:
-        """Start an attempt: PD when the model has ready prefill and decode instances, else aggregated."""
+        """Start an attempt on the route the routing policy picks among the ready instances: an aggregated
+        instance, or a prefill instance and a decode instance of its region."""
         r.attempts += 1
         r.last_progress = now
         prompt = r.prompt + r.out
         left = r.max_tokens - len(r.out)
-        prefill, decode = self._pick(r.model, "prefill"), self._pick(r.model, "decode")
-        if prefill and decode:
+        route = self.routing.route(r.model, self._candidates(r.model))
+        entry, second = route or (None, None)
+        if second is not None:
+            prefill, decode = self.instances[entry.key], self.instances[second.key]
             r.instances = {"prefill": prefill.name, "decode": decode.name}
             msg = {"kind": "decode", "rid": r.rid, "prompt_len": len(prompt), "max_tokens": left,
                    "ignore_eos": r.ignore_eos}
             self._send(decode, r, msg)
             r.history.append(f"{prefill.name}->{decode.name}")
-        elif aggregated := self._pick(r.model, "aggregated"):
+        elif entry is not None:
+            aggregated = self.instances[entry.key]
             r.instances = {"aggregated": aggregated.name}
             self._send(aggregated, r, {"kind": "generate", "rid": r.rid, "tokens": prompt, "max_tokens": left,
                                        "ignore_eos": r.ignore_eos})
@@ -355,8 +358,7 @@ class Coordinator:
             # Every token arrived and only the `done` was lost: nothing is left to redo.
             self._finish(r, "length")
             return
-        if r.attempts <= self.cfg.max_retries and (self._ready(r.model, "aggregated") or (
-                self._ready(r.model, "prefill") and self._ready(r.model, "decode"))):
+        if r.attempts <= self.cfg.max_retries and self.routing.can_route(r.model, self._candidates(r.model)):
             self.counts["retried"] += 1
             self._dispatch(r, now)
             return

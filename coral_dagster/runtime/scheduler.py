@@ -15,7 +15,7 @@ from coral_dagster.runtime import wire
 from coral_dagster.runtime.config import SchedulerConfig, stage_ranges
 from coral_dagster.runtime.security import CurveKeys, Security
 from coral_dagster.runtime.tokenizer import finish_reason
-from coral_dagster.runtime.wrr import WeightedRoundRobin
+from coral_dagster.routing import WeightedRoundRobin
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class Scheduler:
     def _registration(self) -> dict[str, Any]:
         c = self.cfg
         return {"kind": "register", "model": c.model, "phase": c.phase, "tokens_per_s": c.tokens_per_s,
+                "region": c.region, "weight": c.route_weight or c.tokens_per_s,
                 "split": list(c.split), "stages": self._stages()}
 
     def run(self, stop: threading.Event | None = None) -> str:

@@ -15,9 +15,8 @@ more token per iteration; admission needs room for the prompt below a small wate
 node, the most recently admitted sequence of that micro-batch is preempted, returns to the front of its
 instance's queue and recomputes its prompt and generated tokens when readmitted.
 
-Routing: a request enters one of its model's prefill or aggregated instances by weighted round-robin
-(`entry_weights`: regions in the share both phases can take there); a prefilled request decodes in its own
-region when that region has decode instances, else anywhere (its KV cache then crosses regions).
+Routing is `coral_dagster.routing`, the policy the runtime coordinator runs: at arrival a request gets its entry
+instance and, for a prefill entry, the decode instance in the same region.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
+from coral_dagster.routing import Candidate, Router, instance_weight
 from coral_dagster.simulator.latency import LatencyModel
 from coral_dagster.simulator.workload import Workload
 
@@ -111,33 +111,6 @@ def check_template(t, n_layers: int) -> None:
                          f"{t.nodes}.", fix)
 
 
-def entry_weights(entry: Sequence, decode: Sequence) -> list[float]:
-    """Routing weights of a model's entry instances (`.phase`, `.region`, `.weight`) given its decode instances.
-
-    Aggregated instances keep their weight. Prefill instances share the weight of the prefill in regions with
-    decode so that a region gets the share of requests both phases can take there, min(its share of that prefill,
-    its share of decode) normalised over regions, split within the region by weight: a region with spare prefill
-    does not send its decode more than it holds, and one without decode gets none. With no region holding both,
-    weights stay.
-    """
-    pre = [i for i in entry if i.phase == "prefill"]
-    pre_r: dict[str, float] = {}
-    dec_r: dict[str, float] = {}
-    for i in pre:
-        pre_r[i.region] = pre_r.get(i.region, 0.0) + i.weight
-    for i in decode:
-        dec_r[i.region] = dec_r.get(i.region, 0.0) + i.weight
-    total_pre = sum(p for r, p in pre_r.items() if dec_r.get(r, 0.0) > 0)  # prefill a local decode can follow
-    total_dec = sum(dec_r.values())
-    share = {r: min(p / total_pre, dec_r.get(r, 0.0) / total_dec) for r, p in pre_r.items() if p > 0} \
-        if total_pre > 0 and total_dec > 0 else {}
-    norm = sum(share.values())
-    if norm <= 0:
-        return [i.weight for i in entry]
-    return [i.weight / pre_r[i.region] * share[i.region] / norm * total_pre if i.phase == "prefill" else i.weight
-            for i in entry]
-
-
 class _Stride:
     """Weighted round-robin by stride scheduling: the next pick is the smallest pass; ties go to the lower index.
     An entry of weight 0 is never picked, unless every weight is 0 (then all are picked alike)."""
@@ -190,12 +163,13 @@ class _Node:
 
 class _Instance:
     __slots__ = ("idx", "model", "phase", "region", "template_id", "usd_per_hour", "weight", "n_stages", "stages",
-                 "pickers", "queue", "single_path", "paths", "batches")
+                 "pickers", "queue", "single_path", "paths", "batches", "candidate", "routed")
 
     def __init__(self, idx, model, phase, region, template_id, usd_per_hour, weight, n_stages):
         self.idx, self.model, self.phase, self.region = idx, model, phase, region
         self.template_id, self.usd_per_hour, self.weight, self.n_stages = template_id, usd_per_hour, weight, n_stages
         self.stages: list[list[_Node]] = []
+        self.routed = 0
         self.pickers: list[_Stride] = []
         self.queue: deque[int] = deque()
         self.single_path = True
@@ -253,8 +227,7 @@ class Engine:
     """One simulation run: a plan's instances, a latency model and a workload."""
 
     def __init__(self, plan: Plan, workload: Workload, latency: LatencyModel, *, config: SimConfig = SimConfig(),
-                 link_gbps: float | None = None, model_specs: dict | None = None,
-                 prefill_share: dict[str, float] | None = None) -> None:
+                 link_gbps: float | None = None, model_specs: dict | None = None) -> None:
         self.cfg = config
         self.w = workload
         self.link_gbps = link_gbps if link_gbps else float("inf")
@@ -263,17 +236,16 @@ class Engine:
         self.act_bytes = {m: float(s.activation_bytes_per_token) for m, s in self.specs.items()}
         self.instances: list[_Instance] = []
         self.nodes: list[_Node] = []
-        share = prefill_share or {}
         for pi in sorted(plan.instances, key=lambda p: (p.template.template_id, p.region)):
             t = pi.template
             if t.model not in self.specs:
                 continue
             check_template(t, self.specs[t.model].n_layers)
-            # Routing weight: the prefill tokens/s an entry instance serves (an aggregated one serves both phases).
-            weight = t.tokens_per_s * (share.get(t.model, 0.5) if t.phase == "aggregated" else 1.0)
-            for _ in range(pi.count):
+            weight = instance_weight(t.phase, t.tokens_per_s, plan.demand_tokens_per_s, t.model)
+            for k in range(pi.count):
                 inst = _Instance(len(self.instances), t.model, t.phase, pi.region, t.template_id, pi.usd_per_hour,
                                  weight, len(t.stages))
+                inst.candidate = Candidate((t.template_id, pi.region, k), t.model, t.phase, pi.region, weight)
                 for s, stage in enumerate(t.stages):
                     row = []
                     for cfg_node in stage.nodes:
@@ -288,18 +260,9 @@ class Engine:
                     inst.pickers.append(_Stride(stage.shares))
                 inst.single_path = all(len(r) == 1 for r in inst.stages)
                 self.instances.append(inst)
-        self.entry: dict[str, _Stride] = {}
-        self.entry_insts: dict[str, list[_Instance]] = {}
-        self.decode: dict[tuple[str, str | None], tuple[_Stride, list[_Instance]]] = {}
-        for m in workload.models:
-            entry = [i for i in self.instances if i.model == m and i.phase in ("prefill", "aggregated")]
-            self.entry_insts[m] = entry
-            dec = [i for i in self.instances if i.model == m and i.phase == "decode"]
-            self.entry[m] = _Stride(entry_weights(entry, dec))
-            self.decode[(m, None)] = (_Stride([i.weight for i in dec]), dec)
-            for region in sorted({i.region for i in dec}):
-                local = [i for i in dec if i.region == region]
-                self.decode[(m, region)] = (_Stride([i.weight for i in local]), local)
+        self.router = Router()
+        self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
+        self.by_key = {i.candidate.key: i for i in self.instances}
         n = len(workload)
         self.model_names = [workload.models[k] for k in workload.model.tolist()]
         self.arrival = workload.arrival_s.tolist()
@@ -310,6 +273,7 @@ class Engine:
         self.status = [UNFINISHED] * n
         self.routed = [False] * n
         self.path_of: list[tuple[_Node, ...] | None] = [None] * n
+        self.decode_of: list[_Instance | None] = [None] * n
         self.prefill_path: list[tuple[_Node, ...] | None] = [None] * n
         self.kv_base = [0] * n  # KV tokens charged at (re)admission on each node of the path
         self.join_left = [0] * n  # tokens left when the request last joined a micro-batch
@@ -348,13 +312,18 @@ class Engine:
         nxt = r + 1
         if nxt < len(self.arrival):
             out.append((self.arrival[nxt], PRIO_ARRIVAL, self._arrive, nxt))
-        insts = self.entry_insts[self.model_names[r]]
-        if not insts:
-            self.status[r] = NO_INSTANCE
+        model = self.model_names[r]
+        route = self.router.route(model, self.candidates[model])
+        if route is None:
+            self.status[r] = NO_DECODE if self.candidates[model] else NO_INSTANCE
             return out
         self.routed[r] = True
-        inst = insts[self.entry[self.model_names[r]].pick()]
-        self._enqueue(inst, r, now, out)
+        entry, decode = route
+        self.decode_of[r] = self.by_key[decode.key] if decode is not None else None
+        self.by_key[entry.key].routed += 1
+        if decode is not None:
+            self.decode_of[r].routed += 1
+        self._enqueue(self.by_key[entry.key], r, now, out)
         return out
 
     def _enqueue(self, inst: _Instance, r: int, now: float, out: list) -> None:
@@ -673,13 +642,7 @@ class Engine:
             self._join(path, r, self.output[r] - 1, tail, now, out)
             return
         self.prefill_path[r] = path
-        model = inst.model
-        picker, insts = self.decode.get((model, inst.region)) or self.decode[(model, None)]
-        if not insts:
-            self.status[r] = NO_DECODE
-            self._release_prefill(r, now, out)
-            return
-        self._enqueue(insts[picker.pick()], r, now, out)
+        self._enqueue(self.decode_of[r], r, now, out)
 
     def _finish(self, r: int, now: float, freed: dict, kv_tokens: float) -> None:
         """r is done: its path's nodes free `kv_tokens` each (and a running slot, past prefill)."""
@@ -704,7 +667,8 @@ class Engine:
             "preemptions": n.preemptions,
         } for n in self.nodes]
         instances = [{"instance": i.idx, "template_id": i.template_id, "model": i.model, "phase": i.phase,
-                      "region": i.region, "usd_per_hour": i.usd_per_hour} for i in self.instances]
+                      "region": i.region, "usd_per_hour": i.usd_per_hour, "key": i.candidate.key,
+                      "routed_requests": i.routed} for i in self.instances]
         return EngineOutput(np.array(self.ttft, dtype=float), np.array(self.finish, dtype=float),
                             np.array(self.status, dtype=np.int8), np.array(self.routed, dtype=bool),
                             np.array(self.preempted, dtype=np.int32), nodes, instances, end_s, events, wall_s)

@@ -10,7 +10,7 @@ from coral_dagster.errors import UnknownNameError
 from coral_dagster.simulator.engine import Engine, SimConfig
 from coral_dagster.simulator.latency import LatencyModel, ProfileLatencyModel
 from coral_dagster.simulator.result import ModelSlo, SimResult, build_result
-from coral_dagster.catalog.traces import trace_means, trace_names
+from coral_dagster.catalog.traces import trace_names
 from coral_dagster.simulator.workload import ModelLoad, make_workload
 
 TRAFFIC = ("scenario", "azure-conv", "azure-code", "poisson", "gamma")
@@ -43,12 +43,7 @@ def simulate_plan(plan: Plan, scenario: Scenario | str, *, trace: str | None = N
     loads = [ModelLoad(m.model, traffic if traffic in trace_names() else m.trace, base[m.model] * rate_scale)
              for m in scn.models]
     workload = make_workload(loads, duration_s, seed, arrivals, gamma_cv)
-    share = {}
-    for load in loads:
-        prompt, output = trace_means(load.trace)
-        share[load.model] = prompt / (prompt + output)
-    engine = Engine(plan, workload, latency or ProfileLatencyModel(), config=config, link_gbps=scn.link_gbps,
-                    prefill_share=share)
+    engine = Engine(plan, workload, latency or ProfileLatencyModel(), config=config, link_gbps=scn.link_gbps)
     out = engine.run()
     slos = {m.model: ModelSlo(m.model, m.prefill_slo_ms, m.decode_slo_ms) for m in scn.models}
     label = f"gamma(cv={gamma_cv:g})" if traffic == "gamma" else traffic

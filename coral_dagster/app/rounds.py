@@ -1,4 +1,4 @@
-"""One re-planning round over the store: demand snapshots in, a stored plan (and its baselines) out."""
+"""One re-planning round over the store: demand snapshots in, a stored plan (Coral or a baseline) out."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pandas as pd
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.problem import AllocationProblem
-from coral_dagster.allocation.storage import load_plan, store_plan
+from coral_dagster.allocation.storage import store_plan
+from coral_dagster.app.plans import find_plan
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.catalog.store import latest_snapshot
@@ -69,16 +70,6 @@ class PlanRound:
     demand_id: str
 
 
-def running_plan(store: Store, scenario: Scenario, method: str = "coral") -> Plan | None:
-    """The newest stored plan of the scenario and method, or None."""
-    if "plans" not in store.tables():
-        return None
-    try:
-        return load_plan(store, "latest", scenario=scenario.name, method=method)
-    except CoralError:
-        return None
-
-
 def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarcity: str | None = None,
                time_limit_s: float = 30.0, run_id: str | None = None) -> PlanRound:
     """Plan from the stored library, newest snapshot and newest demand; churn is priced against the newest plan
@@ -89,15 +80,15 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
                          "materialize `template_library` (every model partition) or run "
                          f"`coral templates build --scenario {scenario.name}`.")
     demand_id, rates = latest_demand(store, scenario)
-    running = running_plan(store, scenario, method)
+    running = find_plan(store, scenario.name, method)
     problem = scenario_problem(scenario, templates, latest_snapshot(store, scenario.name), rates=rates,
                                running=running.counts() if running else None)
     plan = make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)
     inputs = {"demand_id": demand_id, "snapshot_id": problem.snapshot_id, "templates": len(templates),
               "running_plan": bool(running), "scarcity": scarcity}
-    plan_id = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
+    plan = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
     create_views(store)
-    return PlanRound(plan_id, plan, problem, demand_id)
+    return PlanRound(plan.plan_id, plan, problem, demand_id)
 
 
 def plan_by_model_region(plan: Plan) -> pd.DataFrame:
@@ -107,32 +98,6 @@ def plan_by_model_region(plan: Plan) -> pd.DataFrame:
             for i in plan.instances]
     cols = ["model", "phase", "region", "nodes", "instances", "tokens_per_s", "usd_per_hour"]
     return pd.DataFrame(rows, columns=cols).sort_values(["model", "phase", "region", "nodes"]).reset_index(drop=True)
-
-
-def plan_problem(store: Store, plan: Plan) -> AllocationProblem:
-    """The allocation problem a stored plan answered: its snapshot and library, and the demand it recorded."""
-    from dataclasses import replace
-
-    from coral_dagster.catalog.market import market_from_frame
-    from coral_dagster.catalog.scenarios import load_scenario
-
-    scenario = load_scenario(plan.scenario)
-    snap = market_from_frame(store.query("SELECT * FROM market_snapshots WHERE snapshot_id = ?", [plan.snapshot_id]))
-    problem = scenario_problem(scenario, load_library(store, scenario), snap)
-    return replace(problem, demand_tokens_per_s=dict(plan.demand_tokens_per_s))
-
-
-def store_simulation(store: Store, plan_id: str, result, attainment_target: float) -> pd.DataFrame:
-    """Append one simulation's per-model figures to `simulations`; returns them."""
-    table = result.by_model.copy()
-    table.insert(0, "plan_id", plan_id)
-    table["simulated_at"] = datetime.now(timezone.utc)
-    table["duration_s"] = result.duration_s
-    table["seed"] = result.seed
-    table["attainment_target"] = attainment_target
-    with store.transaction() as con:
-        write_frame(con, "simulations", table)
-    return table
 
 
 def store_model_templates(store: Store, scenario: Scenario, model: str, templates) -> int:

@@ -1,0 +1,131 @@
+"""The one routing policy of a plan, shared by the simulator and the runtime coordinator.
+
+Weights are in units of a model's demand: an instance's weight is the fraction of the model's requests it can take
+in its phase (prefill tokens/s over prefill demand, decode or aggregated output tokens/s over decode demand). A request
+enters one of its model's prefill or aggregated instances by smooth weighted round-robin; a prefill instance's weight
+is scaled by min(1, decode / prefill weight of its region), so each region receives the share of the model's requests
+both phases can take there (the `routing_shares` a plan records), and the request decodes in the region it was
+prefilled in, by smooth weighted round-robin over that region's decode instances. Every choice is made when the
+request arrives, so the same plan and request stream give the same per-instance counts wherever the policy runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping, Sequence
+
+ENTRY_PHASES = ("prefill", "aggregated")
+
+
+class WeightedRoundRobin:
+    """Each pick adds every weight to its key's credit, takes the key with most credit and charges it the total.
+
+    Over any window of `sum(weights)` picks with integer weights each key is chosen exactly `weight` times. Keys may
+    come and go between picks (instances joining, draining); a key's credit is forgotten when it leaves.
+    """
+
+    def __init__(self) -> None:
+        self._credit: dict[Hashable, float] = {}
+
+    def pick(self, weights: Mapping[Hashable, float]) -> Hashable:
+        live = {k: w for k, w in weights.items() if w > 0}
+        if not live:
+            raise ValueError("no key with positive weight to pick from")
+        self._credit = {k: self._credit.get(k, 0.0) + w for k, w in live.items()}
+        best = max(sorted(live, key=str), key=lambda k: self._credit[k])
+        self._credit[best] -= sum(live.values())
+        return best
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An instance the router may pick: its key, model, phase, region and weight (fraction of demand it takes)."""
+
+    key: Hashable
+    model: str
+    phase: str
+    region: str
+    weight: float
+
+
+def entry_weights(candidates: Iterable[Candidate]) -> dict[Hashable, float]:
+    """Entry weight per prefill or aggregated candidate: a prefill one scaled by its region's decode/prefill ratio
+    (capped at 1), so a region takes no more of a model's requests than its decode can finish."""
+    cands = list(candidates)
+    pre: dict[str, float] = {}
+    dec: dict[str, float] = {}
+    for c in cands:
+        if c.phase == "prefill":
+            pre[c.region] = pre.get(c.region, 0.0) + c.weight
+        elif c.phase == "decode":
+            dec[c.region] = dec.get(c.region, 0.0) + c.weight
+    out: dict[Hashable, float] = {}
+    for c in cands:
+        if c.phase == "aggregated":
+            out[c.key] = c.weight
+        elif c.phase == "prefill" and pre[c.region] > 0:
+            out[c.key] = c.weight * min(1.0, dec.get(c.region, 0.0) / pre[c.region])
+    return out
+
+
+def region_shares(candidates: Iterable[Candidate]) -> dict[str, float]:
+    """The share of a model's requests each region receives under `entry_weights` (sums to 1, or empty)."""
+    cands = list(candidates)
+    by_key = {c.key: c for c in cands}
+    totals: dict[str, float] = {}
+    for key, w in entry_weights(cands).items():
+        totals[by_key[key].region] = totals.get(by_key[key].region, 0.0) + w
+    total = sum(totals.values())
+    return {r: w / total for r, w in sorted(totals.items())} if total > 0 else {}
+
+
+class Router:
+    """Picks (entry, decode) candidates for each request of a model from the live candidates at that moment."""
+
+    def __init__(self) -> None:
+        self._entry: dict[str, WeightedRoundRobin] = {}
+        self._decode: dict[tuple[str, str], WeightedRoundRobin] = {}
+
+    def can_route(self, model: str, candidates: Sequence[Candidate]) -> bool:
+        """Whether `route` would find a route (without taking a turn)."""
+        return any(w > 0 for w in entry_weights(c for c in candidates if c.model == model).values())
+
+    def route(self, model: str, candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None] | None:
+        """The entry instance and, for a prefill entry, the decode instance in its region; None when the model has
+        no live route (no entry instance, or prefill only where no decode is live)."""
+        mine = [c for c in candidates if c.model == model]
+        weights = entry_weights(mine)
+        if not any(w > 0 for w in weights.values()):
+            return None
+        by_key = {c.key: c for c in mine}
+        entry = by_key[self._entry.setdefault(model, WeightedRoundRobin()).pick(weights)]
+        if entry.phase == "aggregated":
+            return entry, None
+        local = {c.key: c.weight for c in mine if c.phase == "decode" and c.region == entry.region}
+        decode = by_key[self._decode.setdefault((model, entry.region), WeightedRoundRobin()).pick(local)]
+        return entry, decode
+
+
+def instance_weight(phase: str, tokens_per_s: float, demand_tokens_per_s: Mapping[tuple[str, str], float],
+                    model: str) -> float:
+    """The fraction of the model's demand one instance takes: prefill tokens/s over prefill demand, decode or
+    aggregated (output) tokens/s over decode demand; its tokens/s where the model has no such demand."""
+    demand = demand_tokens_per_s.get((model, "prefill" if phase == "prefill" else "decode"), 0.0)
+    return tokens_per_s / demand if demand > 0 else tokens_per_s
+
+
+def plan_candidates(plan) -> list[Candidate]:
+    """Every instance copy of a plan (`.instances`, `.demand_tokens_per_s`) as a candidate keyed
+    (template_id, region, copy)."""
+    out = []
+    for pi in sorted(plan.instances, key=lambda p: (p.template.template_id, p.region)):
+        t = pi.template
+        w = instance_weight(t.phase, t.tokens_per_s, plan.demand_tokens_per_s, t.model)
+        out += [Candidate((t.template_id, pi.region, k), t.model, t.phase, pi.region, w) for k in range(pi.count)]
+    return out
+
+
+def plan_shares(plan) -> dict[str, dict[str, float]]:
+    """Per model, the share of its requests each region receives under this policy."""
+    cands = plan_candidates(plan)
+    return {m: region_shares([c for c in cands if c.model == m]) for m in sorted({c.model for c in cands})}
