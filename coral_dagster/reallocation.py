@@ -53,7 +53,7 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
 
     The key names the snapshot and demand the decision saw, so a caller can act once per new input."""
     from coral_dagster.allocation.demand import demand_tokens
-    from coral_dagster.allocation.inputs import scenario_problem, scenario_traces
+    from coral_dagster.allocation.inputs import capacity_factors, scenario_problem, scenario_traces
     from coral_dagster.allocation.methods import make_plan
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.catalog.store import latest_snapshot
@@ -66,7 +66,7 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     snap = latest_snapshot(store, scenario.name)
     demand_id, rates = latest_demand(store, scenario)
     key = f"{snap.snapshot_id}|{demand_id}"
-    demand = demand_tokens(rates, scenario_traces(scenario), scenario.headroom)
+    demand = demand_tokens(rates, scenario_traces(scenario), capacity_factors(scenario, rates))
     available = {(o.region, str(o.node)): o.available_nodes for o in snap.offers}
     plan = find_plan(store, scenario.name)
     if plan is None:

@@ -36,7 +36,7 @@ def core():
                     except InfeasibleError:
                         continue  # the weights do not fit or no batch meets the SLO on these nodes
     templates = tuple(templates)
-    plan = solve_plan(scenario_problem(scn, templates))
+    plan = solve_plan(scenario_problem(scn, templates, burst_aware=False))
     return scn, templates, plan
 
 
@@ -86,7 +86,7 @@ def test_simulated_goodput_tracks_load(core):
     """A plan for demand D keeps nearly all of D within SLO (Poisson at exactly D) and far less at 3·D."""
     scn, templates, _ = core
     rates = scenario_rates(scn, "large-heavy")
-    plan = solve_plan(scenario_problem(scn, templates, demand_mix="large-heavy"))
+    plan = solve_plan(scenario_problem(scn, templates, demand_mix="large-heavy", burst_aware=False))
     simulator = bench_simulator(BenchConfig(sim_duration_s=120.0))
     at_plan = simulator(scn, rates)(plan, scn.headroom)
     tripled = simulator(scn, {m: 3 * r for m, r in rates.items()})(plan, scn.headroom)

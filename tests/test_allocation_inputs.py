@@ -53,13 +53,19 @@ def test_trace_means_match_the_csv_and_the_published_figures(name, prompt, outpu
     assert demand.window_factors(name)[0] == pytest.approx(first, rel=1e-6)
 
 
-def test_scenario_demand_is_rate_times_mean_tokens_times_headroom():
+def test_scenario_demand_is_rate_times_mean_tokens_times_its_capacity_factor():
+    """Means from the trace CSVs themselves; the factor is the capacity rule's, never below the headroom (1.1),
+    and exactly the headroom for a plan sized for smooth arrivals."""
     scn = load_scenario("core")
     problem = scenario_problem(scn, ())
+    smooth = scenario_problem(scn, (), burst_aware=False)
     for sm in scn.models:
         mean_p, mean_o, _, _ = csv_means(sm.trace)
-        assert problem.demand_tokens_per_s[(sm.model, "prefill")] == pytest.approx(sm.rate_req_s * mean_p * 1.1)
-        assert problem.demand_tokens_per_s[(sm.model, "decode")] == pytest.approx(sm.rate_req_s * mean_o * 1.1)
+        for phase, mean in (("prefill", mean_p), ("decode", mean_o)):
+            factor = problem.capacity_factors[(sm.model, phase)]
+            assert factor >= 1.1
+            assert problem.demand_tokens_per_s[(sm.model, phase)] == pytest.approx(sm.rate_req_s * mean * factor)
+            assert smooth.demand_tokens_per_s[(sm.model, phase)] == pytest.approx(sm.rate_req_s * mean * 1.1)
     assert problem.churn_k == pytest.approx(10 / 6)
 
 
@@ -78,7 +84,7 @@ def test_demand_mixes_keep_the_total_and_send_80_percent_to_the_heavy_third():
 
 def test_core_large_heavy_sends_80_percent_to_qwen3_32b():
     scn = load_scenario("core")
-    problem = scenario_problem(scn, (), demand_mix="large-heavy")
+    problem = scenario_problem(scn, (), demand_mix="large-heavy", burst_aware=False)
     mean_p = demand.trace_stats("azure-conv").mean_prompt_tokens
     assert problem.demand_tokens_per_s[("qwen3-32b", "prefill")] == pytest.approx(24.0 * mean_p * 1.1)
 

@@ -1,7 +1,7 @@
-"""Demand per (model, phase) in tokens/s: request rate × mean prompt or output tokens of the trace × headroom.
+"""Demand per (model, phase) in tokens/s: request rate × mean prompt or output tokens of the trace × a factor.
 
 Prefill demand is rate × mean prompt tokens, decode demand rate × mean output tokens (coral.md §3, ours), both
-times the scenario's headroom. Demand mixes move request rate between models and keep the total: `uniform`
+times max(the scenario's headroom, the burst factor of the capacity rule, `allocation.capacity`). Demand mixes move request rate between models and keep the total: `uniform`
 leaves the scenario's rates, `large-heavy` sends 80% of all requests to the largest third of the models by
 parameter count (split evenly) and the rest evenly to the others, `small-heavy` the same for the smallest third.
 Over time, each 6-minute window's rate follows the trace: its arrival count in the window over its mean count
@@ -68,12 +68,14 @@ def mix_rates(rates: Mapping[str, float], params: Mapping[str, float], mix: str)
 
 
 def demand_tokens(rates: Mapping[str, float], traces: Mapping[str, str],
-                  headroom: float) -> dict[tuple[str, str], float]:
-    """Demand per (model, phase) for request rates per model and each model's trace."""
+                  headroom: float | Mapping[tuple[str, str], float]) -> dict[tuple[str, str], float]:
+    """Demand per (model, phase) for request rates per model and each model's trace, times one headroom or a
+    factor per (model, phase) (the capacity rule's, `allocation.capacity`)."""
     out = {}
     for model, rate in rates.items():
-        for phase, tokens in phase_demand(rate, trace_stats(traces[model]), headroom).items():
-            out[(model, phase)] = tokens
+        for phase, tokens in phase_demand(rate, trace_stats(traces[model]), 1.0).items():
+            factor = headroom if isinstance(headroom, (int, float)) else headroom.get((model, phase), 1.0)
+            out[(model, phase)] = tokens * factor
     return out
 
 

@@ -59,24 +59,40 @@ def _select(scenario: Scenario, templates: Sequence[Template]) -> tuple[Template
 def scenario_problem(scenario: Scenario, templates: Sequence[Template], market: MarketSnapshot | None = None, *,
                      availability_scale: float = 1.0, demand_mix: str = "uniform",
                      rates: Mapping[str, float] | None = None,
-                     running: Mapping[tuple[str, str], int] | None = None) -> AllocationProblem:
+                     running: Mapping[tuple[str, str], int] | None = None,
+                     boost: Mapping[str, float] | None = None, burst_aware: bool = True) -> AllocationProblem:
     """The allocation inputs of one scenario: its templates, the snapshot's offers and the demand of the mix.
 
     `rates` overrides the request rate per model (e.g. one re-plan window of a trace); `running` is the plan
-    live now as {(template_id, region): count}; K = node start-up time / re-plan interval.
+    live now as {(template_id, region): count}; K = node start-up time / re-plan interval. Demand per (model,
+    phase) is sized by `capacity_factors` (the burst-aware rule, times the closed loop's `boost` per model), or
+    by the scenario's headroom alone with `burst_aware=False` (plans for smooth, e.g. Poisson, arrivals).
     """
     market = market or scenario.market(availability_scale=availability_scale)
     prices, avail = offers_from_market(market, scenario.node_configs, scenario.regions)
     rates = dict(rates) if rates is not None else scenario_rates(scenario, demand_mix)
     traces = scenario_traces(scenario)
+    factors = capacity_factors(scenario, rates, boost) if burst_aware else {
+        (m, p): scenario.headroom for m in rates for p in ("prefill", "decode")}
     return AllocationProblem(
         scenario=scenario.name,
         templates=scenario_templates(scenario, templates),
         usd_per_hour=prices,
         available_nodes=avail,
-        demand_tokens_per_s=demand_tokens(rates, traces, scenario.headroom),
+        demand_tokens_per_s=demand_tokens(rates, traces, factors),
+        capacity_factors=factors,
         running=dict(running or {}),
         churn_k=scenario.node_startup_min / scenario.replan_interval_min,
         prompt_per_output={m: trace_stats(t).prompt_per_output for m, t in traces.items()},
         snapshot_id=market.snapshot_id,
     )
+
+
+def capacity_factors(scenario: Scenario, rates: Mapping[str, float],
+                     boost: Mapping[str, float] | None = None) -> dict[tuple[str, str], float]:
+    """Per (model, phase): max(the scenario's headroom, the capacity rule's burst factor × `boost`)."""
+    from coral_dagster.allocation.capacity import scenario_capacity
+
+    caps = scenario_capacity(scenario, rates, boost)
+    return {(m, p): max(scenario.headroom, caps[(m, p)].factor) if (m, p) in caps else scenario.headroom
+            for m in rates for p in ("prefill", "decode")}

@@ -50,7 +50,7 @@ def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, 
                 served_tokens_per_s=served_tokens(problem, instances), demand_scale=demand_scale,
                 notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=mip_bound,
                 bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
-                timings_s=dict(timings or {}))
+                timings_s=dict(timings or {}), capacity_factors=dict(problem.capacity_factors))
 
 
 def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[PlannedInstance]:

@@ -36,7 +36,7 @@ def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
                   demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
                   time_limit_s: float = 30.0, db_path: str | None = None,
-                  templates: Sequence[Template] | None = None, market=None) -> Plan:
+                  templates: Sequence[Template] | None = None, market=None, burst_aware: bool = True) -> Plan:
     """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
     it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
     replaces the scenario's bundled snapshot scaled by `availability_scale`."""
@@ -49,5 +49,5 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
     if templates is None:
         templates = library_templates(scn, db_path)
     problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
-                               running=running.counts() if running else None)
+                               running=running.counts() if running else None, burst_aware=burst_aware)
     return make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)

@@ -58,6 +58,7 @@ def plan_frames(plan: Plan, plan_id: str, run_id: str, inputs: Mapping[str, Any]
         "served_tokens_per_s": {_key(k): v for k, v in sorted(plan.served_tokens_per_s.items())},
         "bottlenecks": [b.as_dict() for b in plan.bottlenecks], "pruning": plan.pruning,
         "timings_s": dict(plan.timings_s), "notes": list(plan.notes),
+        "capacity_factors": {_key(k): v for k, v in sorted(plan.capacity_factors.items())},
     }
     row = {"plan_id": plan_id, "run_id": run_id, "created_at": pd.Timestamp(created_at),
            "scenario": plan.scenario, "method": plan.method, "status": plan.status,
@@ -137,5 +138,6 @@ def load_plan(store, plan_id: str) -> Plan:
                           for b in detail["bottlenecks"]),
         pruning=detail["pruning"], snapshot_id=row["snapshot_id"], timings_s=detail["timings_s"],
         plan_id=str(row["plan_id"]),
+        capacity_factors={_unkey(k): v for k, v in detail.get("capacity_factors", {}).items()},
     )
 

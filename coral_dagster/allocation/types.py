@@ -90,6 +90,7 @@ class Plan:
     snapshot_id: str = ""
     timings_s: Mapping[str, float] = field(default_factory=dict)
     plan_id: str = ""
+    capacity_factors: Mapping[tuple[str, str], float] = field(default_factory=dict)
 
     @property
     def routing_shares(self) -> dict[str, dict[str, float]]:
@@ -156,6 +157,7 @@ class Plan:
                                     self.served_tokens_per_s.get((m, p), 0.0)}
                        for (m, p), d in sorted(self.demand_tokens_per_s.items())},
             "routing_shares": self.routing_shares,
+            "capacity_factors": {f"{m}/{p}": f for (m, p), f in sorted(self.capacity_factors.items())},
             "bottlenecks": [b.as_dict() for b in self.bottlenecks],
             "pruning": dict(self.pruning) if self.pruning else None,
             "timings_s": dict(self.timings_s),

@@ -30,6 +30,7 @@ class ScenarioModel:
     rate_req_s: float
     slo_margin: float = 1.0
     prefill_utilisation: float = 1.0
+    attainment_target: float = 0.95  # share of requests meeting both SLOs the plan is sized for
 
 
 @dataclass(frozen=True)
@@ -138,9 +139,14 @@ def _parse(path: Path) -> Scenario:
         trace = field(r, "trace", str, path, i)
         if trace not in TRACES:
             raise CatalogError(path, i, "trace", f"unknown trace {trace!r}", f"use one of {', '.join(TRACES)}")
+        target = float(field(r, "attainment_target", (int, float), path, i, default=0.95))
+        if not 0 < target < 1:
+            raise CatalogError(path, i, "attainment_target", f"{target:g} is not in (0, 1)",
+                               "give the share of requests that must meet their SLOs, e.g. 0.95")
         models.append(ScenarioModel(alias, field(r, "prefill_slo_ms", float, path, i, positive=True),
                                     field(r, "decode_slo_ms", float, path, i, positive=True), trace,
-                                    field(r, "rate_req_s", float, path, i, positive=True), **margins))
+                                    field(r, "rate_req_s", float, path, i, positive=True), **margins,
+                                    attainment_target=target))
     check_unique([m.model for m in models], path, "model")
     avail = doc.get("availability") or {}
     overrides = []

@@ -23,10 +23,10 @@ def _print_plan(plan) -> None:
     emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
                                            "usd_per_hour"]),
                title=f"{plan.scenario}: {plan.method} plan {plan.plan_id or '(not stored)'}: {plan.status}")
-    served = [{"model": m, "phase": p, "demand_tokens_per_s": d,
-               "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
+    served = [{"model": m, "phase": p, "capacity_factor": plan.capacity_factors.get((m, p)),
+               "demand_tokens_per_s": d, "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
-    emit_table(pd.DataFrame(served), title="served vs demanded")
+    emit_table(pd.DataFrame(served), title="served vs demanded (demand = rate × mean tokens × capacity factor)")
     gap = f"{plan.gap:.2%}" if plan.gap == plan.gap else "n/a"
     mip_gap = f"{plan.mip_gap:.2%}" if plan.mip_gap == plan.mip_gap else "n/a"
     click.echo(f"cost {plan.cost_usd_per_hour:,.2f} $/h (churn penalty {plan.churn_usd_per_hour:,.2f}), "

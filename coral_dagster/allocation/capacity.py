@@ -1,0 +1,110 @@
+"""Burst-aware capacity: how far above its mean token rate each (model, phase) must be served to meet its SLO
+attainment target on the arrival process of its own trace.
+
+The rule: replay the model's trace at its request rate (the simulator's time scaling, the whole trace loop, twice,
+measured on the second pass so the queue starts warm) into one fluid FIFO server of capacity c tokens/s, whose
+work per request is its prompt (prefill) or output tokens (decode). A request's queueing delay is Lindley's
+W_n = max(0, W_{n-1} + S_{n-1} − (A_n − A_{n-1})), S = tokens / c. The factor is the least c, over the mean token
+rate, at which a share `target` of requests wait no longer than the slack the templates leave them: templates plan
+every step within `slo_margin` of its budget, so prefill may wait (1 − slo_margin) × its TTFT SLO and decode
+(1 − slo_margin) × its TPOT SLO × (output tokens − 1) (a wait before the first decode step stretches mean TPOT).
+The router splits a model's stream over its instances in fixed proportions (`coral_dagster.routing`), so each
+instance sees a scaled copy of the same fluid stream and the aggregate queue is each instance's queue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from coral_dagster.catalog.traces import load_trace
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class PhaseCapacity:
+    """The capacity rule's answer for one (model, phase): factor over the mean rate and what it was fitted on."""
+
+    model: str
+    phase: str
+    factor: float
+    budget_ms: float
+    target: float
+    attained: float
+
+    def as_dict(self) -> dict:
+        return {"model": self.model, "phase": self.phase, "factor": self.factor, "budget_ms": self.budget_ms,
+                "target": self.target, "attained": self.attained}
+
+
+def fluid_waits(arrival_s: np.ndarray, work: np.ndarray, capacity: float) -> np.ndarray:
+    """Lindley's waiting times of a FIFO server doing `work` units per request at `capacity` units/s (vectorised:
+    W_n = P_n − min_{k≤n} P_k with P the running sum of service minus inter-arrival time)."""
+    service = work / capacity
+    steps = np.r_[0.0, service[:-1] - np.diff(arrival_s)]
+    running = np.cumsum(steps)
+    return running - np.minimum.accumulate(np.minimum(running, 0.0))
+
+
+def _met(arrival_s, work, budget_s, capacity: float, measured: slice) -> float:
+    waits = fluid_waits(arrival_s, work, capacity)[measured]
+    return float(np.mean(waits <= budget_s[measured])) if waits.size else 1.0
+
+
+@lru_cache(maxsize=256)
+def _stream(trace: str, rate_req_s: float):
+    """The trace's arrivals time-scaled to `rate_req_s` (as the simulator replays it), two loops; lengths."""
+    df = load_trace(trace)
+    t = df.arrival_s.to_numpy(dtype=float)
+    n = len(t)
+    period_s = t[-1] + (t[-1] - t[0]) / max(n - 1, 1)
+    scale = (n / period_s) / rate_req_s
+    arrival = np.r_[t, t + period_s] * scale
+    prompt = np.tile(df.prompt_tokens.to_numpy(dtype=float), 2)
+    output = np.tile(df.output_tokens.to_numpy(dtype=float), 2)
+    return arrival, prompt, output, n
+
+
+@lru_cache(maxsize=1024)
+def phase_capacity(model: str, phase: str, trace: str, rate_req_s: float, slo_ms: float, slo_margin: float,
+                   target: float) -> PhaseCapacity:
+    """The least capacity factor (≥ 1, to 0.5%) at which a share `target` of the requests of this phase wait within
+    their slack in the fluid queue fed by the trace."""
+    arrival, prompt, output, n = _stream(trace, rate_req_s)
+    slack_s = (1.0 - slo_margin) * slo_ms / 1000.0
+    work = prompt if phase == "prefill" else output
+    budget = np.full(len(arrival), slack_s) if phase == "prefill" else slack_s * np.maximum(output - 1.0, 0.0)
+    mean_rate = float(work[:n].sum()) / (arrival[n] - arrival[0]) if n else 0.0
+    measured = slice(n, None)
+    if mean_rate <= 0 or _met(arrival, work, budget, mean_rate, measured) >= target:
+        return PhaseCapacity(model, phase, 1.0, slack_s * 1000.0, target,
+                             _met(arrival, work, budget, max(mean_rate, 1e-9), measured))
+    lo, hi = 1.0, 2.0
+    while _met(arrival, work, budget, hi * mean_rate, measured) < target:
+        lo, hi = hi, hi * 2.0
+    while hi / lo > 1.005:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (lo, mid) if _met(arrival, work, budget, mid * mean_rate, measured) >= target else (mid, hi)
+    return PhaseCapacity(model, phase, hi, slack_s * 1000.0, target,
+                         _met(arrival, work, budget, hi * mean_rate, measured))
+
+
+def scenario_capacity(scenario, rates=None, boost=None) -> dict[tuple[str, str], PhaseCapacity]:
+    """The rule for every model and phase of a scenario at its rates (or `rates`), times the closed loop's extra
+    `boost` per model where given."""
+    out = {}
+    for m in scenario.models:
+        rate = (rates or {}).get(m.model, m.rate_req_s)
+        if rate <= 0:
+            continue
+        for phase, slo in (("prefill", m.prefill_slo_ms), ("decode", m.decode_slo_ms)):
+            cap = phase_capacity(m.model, phase, m.trace, float(rate), float(slo), float(m.slo_margin),
+                                 float(m.attainment_target))
+            extra = (boost or {}).get(m.model, 1.0)
+            if extra != 1.0:
+                cap = PhaseCapacity(cap.model, cap.phase, cap.factor * extra, cap.budget_ms, cap.target, cap.attained)
+            out[(m.model, phase)] = cap
+    return out
