@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pandas as pd
 
-from coral_dagster.cli._out import db_option, emit, emit_json, json_option
+from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -17,8 +17,12 @@ def _records(df: pd.DataFrame) -> list[dict]:
 
 
 def _load_plan(store, ref: str):
-    """(plan_id, Plan) for a plan id or "latest", from the plans the allocation stage stored."""
+    """(plan_id, Plan) for a plan JSON file, a plan id or "latest", from the plans the allocation stage stored."""
     from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.cli._plan_file import is_plan_file, load_plan_file
+
+    if is_plan_file(ref):
+        return load_plan_file(Path(ref), str(store.path))
 
     plan = load_plan(store, ref)
     if ref != "latest":
@@ -43,15 +47,16 @@ def _actions(diff) -> pd.DataFrame:
 
 @click.command("launch")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
-              help="Plan id (see `coral plan --json`), or 'latest'.")
+              help="Plan id (see `coral plan --json`), 'latest', or a plan JSON file as `coral plan --json` prints it.")
 @click.option("--dry-run", is_flag=True,
               help="Write the task YAMLs and print the sky launch / sky down commands; launch nothing.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for the dry run's task YAMLs (default: out/deploy/<plan tag>).")
-@click.option("--drain-timeout", "drain_timeout_s", type=float, default=600.0, show_default=True,
+@click.option("--drain-timeout", "drain_timeout_s", type=NON_NEGATIVE, default=600.0, show_default=True,
               help="Seconds a removed instance may take to finish its in-flight requests before `sky down`.")
 @click.option("--retry-until-up", is_flag=True,
               help="Let SkyPilot keep retrying a node when its region has no capacity (default: fail and roll back).")
+@prices_option
 @json_option
 @db_option
 def launch(plan_ref: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float, retry_until_up: bool,

@@ -2,60 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
 from coral_dagster.allocation.types import METHODS
-from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
+from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table, json_option, prices_option
+from coral_dagster.cli._plan_file import is_plan_file, load_plan_file
 from coral_dagster.errors import CoralError
 from coral_dagster.simulator.simulate import TRAFFIC
-
-
-def plan_from_json(doc: dict):
-    """A Plan from a JSON document whose instances carry their stages (`stages` or `stages_json`)."""
-    from coral_dagster.allocation.types import Plan, PlannedInstance
-    from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-    from coral_dagster.templates.types import Stage, Template
-
-    instances = []
-    for row in doc.get("instances", []):
-        raw = row.get("stages", row.get("stages_json"))
-        raw = json.loads(raw) if isinstance(raw, str) else raw
-        stages = tuple(Stage(int(s["start"]), int(s["end"]), tuple(NodeConfig.parse(n) for n in s["nodes"]),
-                             tuple(float(x) for x in s["shares"])) for s in raw)
-        count = int(row["count"])
-        # `coral plan --json` prints tokens/s and $/h of all `count` instances together.
-        template = Template(row["model"], row["phase"], float(row.get("slo_ms", 0.0)),
-                            NodeMultiset.of([n for s in stages for n in s.nodes]), stages,
-                            float(row["tokens_per_s"]) / max(count, 1), row.get("bound", "compute"))
-        instances.append(PlannedInstance(template, row["region"], count, float(row["usd_per_hour"]) / max(count, 1)))
-    return Plan(doc.get("scenario", ""), doc.get("method", "coral"), doc.get("status", "optimal"),
-                float(doc.get("cost_usd_per_hour") or 0.0), float(doc.get("lp_bound_usd_per_hour") or 0.0),
-                float(doc.get("gap") or 0.0), float(doc.get("solve_s") or 0.0), tuple(instances), {}, {})
-
-
-def _plan_file(path: Path, db_path: str | None):
-    """A plan file: instances with stages are read as they are; otherwise its plan_id is looked up in the store."""
-    if not path.is_file():
-        raise CoralError(f"plan file {path} does not exist.", "give the JSON `coral plan --json` printed.")
-    try:
-        doc = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CoralError(f"plan file {path} is not JSON ({exc}).", "give the JSON `coral plan --json` printed.")
-    rows = doc.get("instances")
-    if not isinstance(rows, list):
-        raise CoralError(f"plan file {path} has no instances list.", "give the JSON `coral plan --json` printed.")
-    if all("stages" in r or "stages_json" in r for r in rows):
-        return plan_from_json(doc)
-    if not doc.get("plan_id"):
-        raise CoralError(f"plan file {path} lists instances without their stages and has no plan_id.",
-                         "store the plan (`coral plan` without --no-store) and pass its plan_id or the file.")
-    from coral_dagster.allocation.storage import load_plan
-    from coral_dagster.store import Store
-
-    return load_plan(Store(db_path), doc["plan_id"])
 
 
 def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str | None):
@@ -64,9 +19,8 @@ def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str
         from coral_dagster.allocation.scenario_plans import plan_scenario
 
         return f"fresh {method}", plan_scenario(scenario, method=method, db_path=db_path)
-    path = Path(plan_ref)
-    if path.suffix == ".json" or path.is_file():
-        return str(path), _plan_file(path, db_path)
+    if is_plan_file(plan_ref):
+        return plan_ref, load_plan_file(Path(plan_ref), db_path)[1]
     from coral_dagster.allocation.storage import load_plan
     from coral_dagster.store import Store
 
@@ -77,7 +31,8 @@ def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str
 
 
 @click.command("simulate")
-@click.option("--scenario", default="core", show_default=True, help="Bundled scenario: models, SLOs, rates, links.")
+@click.option("--scenario", default="core", show_default=True,
+              help=f"Scenario giving models, SLOs, rates and links: {SCENARIO_HELP}.")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
               help="'latest', a stored plan id, or a plan JSON file as `coral plan --json` prints it.")
 @click.option("--method", type=click.Choice(METHODS), default=None,
@@ -85,14 +40,15 @@ def _resolve_plan(plan_ref: str, method: str | None, scenario: str, db_path: str
 @click.option("--trace", "traffic", type=click.Choice(TRAFFIC), default="scenario", show_default=True,
               help="Arrivals: each model's own trace replayed at its rate, one trace for all, or Poisson / Gamma "
                    "arrivals with trace lengths.")
-@click.option("--gamma-cv", type=float, default=2.0, show_default=True,
+@click.option("--gamma-cv", type=POSITIVE, default=2.0, show_default=True,
               help="Coefficient of variation of Gamma inter-arrival gaps (burstiness; 1 is Poisson).")
-@click.option("--duration-s", type=float, default=600.0, show_default=True, help="Seconds of arrivals.")
+@click.option("--duration-s", type=POSITIVE, default=600.0, show_default=True, help="Seconds of arrivals.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival streams.")
-@click.option("--rate-scale", type=float, default=1.0, show_default=True,
+@click.option("--rate-scale", type=POSITIVE, default=1.0, show_default=True,
               help="Multiply every model's request rate (2 = twice the planned demand).")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="Write latency_cdf.png and goodput.png into this folder.")
+@prices_option
 @db_option
 @json_option
 def cli(scenario: str, plan_ref: str, method: str | None, traffic: str, gamma_cv: float, duration_s: float,
