@@ -187,7 +187,8 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     if not rows:
         raise CatalogError(path, "-", "models", "the list is empty", "list at least one model (see core.yaml)")
     models = []
-    for i, r in enumerate(rows):
+    for n, r in enumerate(rows):
+        i = f"models[{n}]"
         _known_keys(r, MODEL_KEYS, path, i)
         alias = field(r, "model", str, path, i)
         if alias not in catalog:

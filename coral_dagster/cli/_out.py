@@ -14,10 +14,21 @@ from rich.table import Table
 
 
 def emit_json(data: Any) -> None:
-    """Print `data` as JSON (DataFrames become lists of records)."""
+    """Print `data` as JSON (DataFrames become lists of records); NaN and infinities print as null, since JSON
+    has no such numbers and scripts reading ours must never meet them."""
     if isinstance(data, pd.DataFrame):
         data = json.loads(data.to_json(orient="records", date_format="iso"))
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def emit_table(df: pd.DataFrame, title: str = "") -> None:

@@ -145,25 +145,34 @@ def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mo
         raise CoralError(f"write mode {mode!r} is unknown.", "use 'append' or 'replace'.")
     con.register("_coral_frame", df)
     try:
+        columns = _frame_columns(con)
+        ddl = ", ".join(f'"{name}" {sql_type}' for name, sql_type in columns)
         if mode == "replace":
-            con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM _coral_frame")
+            con.execute(f"CREATE OR REPLACE TABLE {table} ({ddl})")
         else:
-            con.execute(f"CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM _coral_frame LIMIT 0")
-            _add_missing_columns(con, table)
+            con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({ddl})")
+            _add_missing_columns(con, table, columns)
             if before_insert:
                 con.execute(*before_insert)
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _coral_frame")
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _coral_frame")
     finally:
         # After a failed statement the transaction is aborted and DuckDB refuses even this; the first error counts.
         with contextlib.suppress(duckdb.TransactionException):
             con.unregister("_coral_frame")
 
 
-def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str) -> None:
-    """Migrate a table of an older schema: add (as NULL in old rows) the columns of `_coral_frame` it lacks."""
+def _frame_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """(name, SQL type) of `_coral_frame`; a column with no value to type it (an empty frame's text) is VARCHAR,
+    so a table first written empty still takes rows later."""
+    return [(name, "VARCHAR" if sql_type == "NULL" else sql_type)
+            for name, sql_type, *_ in con.execute("DESCRIBE SELECT * FROM _coral_frame").fetchall()]
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, columns: list[tuple[str, str]]) -> None:
+    """Migrate a table of an older schema: add (as NULL in old rows) the columns of the frame it lacks."""
     have = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = ?",
                                       [table]).fetchall()}
-    for name, sql_type, *_ in con.execute("DESCRIBE SELECT * FROM _coral_frame").fetchall():
+    for name, sql_type in columns:
         if name not in have:
             log.info("migrating %s: adding column %s %s", table, name, sql_type)
             con.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {sql_type}')
