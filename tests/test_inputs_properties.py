@@ -100,7 +100,8 @@ def _check_valid(s: sc.Scenario) -> None:
     assert all(n in s.node_configs for _, n, _ in s.available_nodes)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=_mutated(CORE, CORE_FIELDS))
 def test_any_scenario_file_is_a_clear_error_or_a_valid_scenario(tmp_path, doc):
     path = tmp_path / "s.yaml"
@@ -115,7 +116,8 @@ def test_any_scenario_file_is_a_clear_error_or_a_valid_scenario(tmp_path, doc):
     event("valid scenario")
 
 
-@settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.text(max_size=200))
 def test_any_file_text_is_a_clear_error_or_a_valid_scenario(tmp_path, text):
     path = tmp_path / "s.yml"
@@ -139,7 +141,8 @@ def small_db(tmp_path_factory):
     return folder, db
 
 
-FLOAT_TEXT = st.one_of(st.floats(0.0, 3.0).map(repr), st.floats(0.0, 3.0).map(repr), st.floats(allow_nan=True, allow_infinity=True).map(repr),
+FLOAT_TEXT = st.one_of(st.floats(0.0, 3.0).map(repr), st.floats(0.0, 3.0).map(repr),
+                       st.floats(allow_nan=True, allow_infinity=True).map(repr),
                        st.sampled_from(["nan", "inf", "-inf", "NaN", "1e400", "-0", "0", "1", "0.5", "abc", ""]))
 
 
@@ -150,7 +153,8 @@ def _strict_json(text: str):
     return json.loads(text[text.index("{"):], parse_constant=refuse)
 
 
-@settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=50, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(doc=_mutated(SMALL, PLAN_FIELDS, fewest=0), scale=st.one_of(st.none(), st.just("1"), FLOAT_TEXT),
        limit=st.one_of(st.none(), st.none(), FLOAT_TEXT), scarcity=st.sampled_from(["none", "scale", "fair"]))
 def test_plan_of_any_scenario_and_floats_is_a_clear_error_or_finite_json(small_db, doc, scale, limit, scarcity):

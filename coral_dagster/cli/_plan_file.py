@@ -36,7 +36,8 @@ def load_plan_file(path: Path, db_path: str | None):
         raise CatalogError(path, "-", "instances", "expected a list of instance objects", FIX)
     plan_id = doc.get("plan_id")
     if plan_id is not None and (not isinstance(plan_id, str) or not plan_id):
-        raise CatalogError(path, "-", "plan_id", f"{plan_id!r} is not a plan id", "give the stored plan's id, or drop it")
+        raise CatalogError(path, "-", "plan_id", f"{plan_id!r} is not a plan id",
+                           "give the stored plan's id, or drop it")
     if rows and all("stages" in r or "stages_json" in r for r in rows):
         return plan_id or f"file-{hashlib.sha1(raw).hexdigest()[:12]}", plan_from_json(doc, path)
     if not plan_id:
@@ -95,8 +96,8 @@ def _number(row: dict, key: str, path, at: str, *, positive: bool = False, defau
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or value < 0 or (positive and value == 0):
-        raise CatalogError(path, at, key, f"{value!r} is not a finite number {'above' if positive else 'of at least'} 0",
-                           FIX)
+        least = "above" if positive else "of at least"
+        raise CatalogError(path, at, key, f"{value!r} is not a finite number {least} 0", FIX)
     return float(value)
 
 

@@ -27,7 +27,8 @@ for _name, _doc in [
     ("gpus", "GPU types: memory, HBM bandwidth, dense bf16 TFLOP/s, intra-node link and NIC bandwidth."),
     ("nodes", "Node configurations sold somewhere, with memory, network and price range."),
     ("models", "Models: architecture, parameter count and derived weight/KV/activation sizes."),
-    ("prices", "On-demand and spot $/node-hour per region and node configuration (SkyPilot catalog snapshot, or --prices FILE)."),
+    ("prices", "On-demand and spot $/node-hour per region and node configuration (SkyPilot catalog snapshot, "
+               "or --prices FILE)."),
     ("scenarios", "Scenarios: models, SLOs, traces and request rates."),
 ]:
     cli.add_command(_show(_name, _doc))

@@ -45,10 +45,10 @@ def cli() -> None:
 @_model
 @_node
 @_phase
-@click.option("--tokens", type=int, help="Prefill: prompt tokens in the batch.")
-@click.option("--seq-tokens", type=int, help="Prefill: tokens per prompt (default 1024).")
-@click.option("--batch", type=int, help="Decode: sequences in the batch.")
-@click.option("--context", "context_tokens", type=int, help="Decode: context tokens per sequence.")
+@click.option("--tokens", type=click.IntRange(min=1), help="Prefill: prompt tokens in the batch.")
+@click.option("--seq-tokens", type=click.IntRange(min=1), help="Prefill: tokens per prompt (default 1024).")
+@click.option("--batch", type=click.IntRange(min=1), help="Decode: sequences in the batch.")
+@click.option("--context", "context_tokens", type=click.IntRange(min=1), help="Decode: context tokens per sequence.")
 @json_option
 def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: int | None, batch: int | None,
             context_tokens: int | None, as_json: bool) -> None:
@@ -80,9 +80,9 @@ def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: i
 @_model
 @_node
 @_phase
-@click.option("--layers", type=int, required=True, help="Layers the node holds.")
+@click.option("--layers", type=click.IntRange(min=1), required=True, help="Layers the node holds.")
 @click.option("--budget-ms", type=POSITIVE, required=True, help="Per-stage latency budget (SLO / stages).")
-@click.option("--context", "context_tokens", type=int, default=1024, show_default=True,
+@click.option("--context", "context_tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Decode: context tokens per sequence.")
 @click.option("--send-gbps", type=POSITIVE, default=None, help="Count the activation transfer at this rate.")
 @json_option
@@ -129,7 +129,8 @@ def show(model: str, nodes: tuple[str, ...], phase: str | None, as_json: bool) -
 @cli.command()
 @_model
 @_node
-@click.option("--layers", type=int, default=2, show_default=True, help="Decoder layers to build and time.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers to build and time.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Local device to time on.")
 @click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,

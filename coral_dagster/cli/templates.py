@@ -85,7 +85,7 @@ def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_m
 @cli.command()
 @click.option("--scenario", required=True, help=f"Scenario: {SCENARIO_HELP}.")
 @click.option("--models", default=None, help="Comma-separated model aliases (default: all of the scenario's).")
-@click.option("--processes", type=int, default=None, help="Worker processes (default: min(2, CPUs)).")
+@click.option("--processes", type=click.IntRange(min=1), default=None, help="Worker processes (default: min(2, CPUs)).")
 @click.option("--no-prune", is_flag=True, help="Keep templates another one dominates.")
 @click.option("--n-max", type=click.IntRange(1, MAX_N_MAX), default=None,
               help="Most nodes per template (default: the scenario's, 6).")
@@ -124,7 +124,8 @@ def build(scenario: str, models: str | None, processes: int | None, no_prune: bo
 @click.option("--scenario", required=True, help=f"Scenario whose stored library to read: {SCENARIO_HELP}.")
 @click.option("--model", default=None, help="Only this model.")
 @click.option("--phase", type=click.Choice(PHASES), default=None, help="Only this phase.")
-@click.option("--limit", type=int, default=20, show_default=True, help="Rows to print, highest throughput first.")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Rows to print, highest throughput first.")
 @db_option
 @json_option
 def list_(scenario: str, model: str | None, phase: str | None, limit: int, db_path: str | None,
