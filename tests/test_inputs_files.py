@@ -139,3 +139,16 @@ def test_bad_prices_file_is_a_usage_error_naming_line_and_column(tmp_path, monke
     res = CliRunner().invoke(main, ["catalog", "prices", "--prices", str(path)])
     assert res.exit_code == 2 and str(path) in res.output and f"'{column}'" in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_readme_price_example_is_a_valid_price_file(tmp_path, monkeypatch):
+    from coral_dagster import paths
+
+    text = (paths.REPO_ROOT / "README.md").read_text().split("```csv\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "readme.csv"
+    path.write_text(text)
+    monkeypatch.setenv("CORAL_PRICES", str(path))
+    from coral_dagster.catalog.prices import load_node_prices
+
+    table = load_node_prices()
+    assert len(table) == len(text.strip().splitlines()) - 1 and table.usd_per_hour.gt(0).all()
