@@ -6,16 +6,12 @@ import json
 
 import pandas as pd
 import pytest
-import yaml
 from click.testing import CliRunner
+from scenario_docs import build_small
 
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.cli.main import main
 
-SMALL = {"name": "small", "regions": ["aws:us-east-2"], "gpus": ["L40S", "L4"], "gpus_per_node": [1, 4],
-         "models": [{"model": "phi-4", "prefill_slo_ms": 1200, "decode_slo_ms": 60, "trace": "azure-conv",
-                     "rate_req_s": 1}],
-         "templates": {"n_max": 3, "rho": 12}}
 # Our own prices for every node configuration SMALL uses (made-up numbers, far from the bundled ones).
 PRICES = {"L40S:1": 7.0, "L40S:4": 20.0, "L4:1": 0.5, "L4:4": 1.9}
 
@@ -29,9 +25,7 @@ def _json(res) -> dict:
 def setup(tmp_path_factory):
     """SMALL's file, its library in a DuckDB file, and one plan as `coral plan --json` prints it."""
     folder = tmp_path_factory.mktemp("files")
-    scenario = folder / "small.yml"
-    scenario.write_text(yaml.safe_dump(SMALL))
-    db = folder / "c.duckdb"
+    scenario, db = build_small(folder)
     plan = _json(CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--no-store", "--json", "--db",
                                            str(db)]))
     assert plan["instances"]

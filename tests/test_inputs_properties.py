@@ -11,6 +11,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from scenario_docs import SMALL, build_small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog import scenarios as sc
@@ -18,12 +19,6 @@ from coral_dagster.cli.main import main
 from coral_dagster.errors import CoralError
 
 CORE = yaml.safe_load((paths.SCENARIOS_DIR / "core.yaml").read_text())
-SMALL = {"name": "small", "regions": ["aws:us-east-2"], "gpus": ["L40S", "L4"], "gpus_per_node": [1, 4],
-         "models": [{"model": "phi-4", "prefill_slo_ms": 1200, "decode_slo_ms": 60, "trace": "azure-conv",
-                     "rate_req_s": 1}],
-         "availability": {"default_nodes": 16}, "templates": {"n_max": 3, "rho": 12},
-         "allocation": {"headroom": 1.1, "replan_interval_min": 6, "node_startup_min": 10}}
-
 ANY = st.one_of(
     st.floats(allow_nan=True, allow_infinity=True), st.integers(-10**12, 10**12), st.booleans(), st.none(),
     st.text(max_size=12), st.sampled_from(["aws:us-east-2", "gcp:us-central1", "L4:1", "phi-4", "azure-code"]),
@@ -44,27 +39,6 @@ PLAN_FIELDS = ["models.0.rate_req_s", "allocation.headroom", "availability.defau
                "allocation.replan_interval_min", "allocation.node_startup_min", "availability.nodes"]
 
 
-def _set(doc, dotted: str, value):
-    """`doc` with the field at `dotted` set (parents that are not containers leave the document as it is)."""
-    out = json.loads(json.dumps(doc))
-    *parents, leaf = dotted.split(".")
-    node = out
-    for p in parents:
-        if isinstance(node, list):
-            if not p.isdigit() or int(p) >= len(node):
-                return out
-            node = node[int(p)]
-        elif isinstance(node, dict):
-            node = node.setdefault(p, {})
-        else:
-            return out
-    if isinstance(node, dict):
-        node[leaf] = value
-    elif isinstance(node, list) and leaf.isdigit() and int(leaf) < len(node):
-        node[int(leaf)] = value
-    return out
-
-
 def _mutated(base, fields, fewest=1):
     return st.lists(st.tuples(st.sampled_from(fields), VALUE), min_size=fewest, max_size=3).map(
         lambda changes: _apply(base, changes))
@@ -73,7 +47,7 @@ def _mutated(base, fields, fewest=1):
 def _apply(base, changes):
     doc = base
     for dotted, value in changes:
-        doc = _set(doc, dotted, value)
+        doc = with_field(doc, dotted, value)
     return doc
 
 
@@ -132,13 +106,7 @@ def test_any_file_text_is_a_clear_error_or_a_valid_scenario(tmp_path, text):
 def small_db(tmp_path_factory):
     """SMALL's template library built once into a DuckDB file of its own."""
     folder = tmp_path_factory.mktemp("props")
-    path = folder / "small.yaml"
-    path.write_text(yaml.safe_dump(SMALL))
-    db = folder / "c.duckdb"
-    res = CliRunner().invoke(main, ["templates", "build", "--scenario", str(path), "--db", str(db), "--processes",
-                                    "1", "--json"])
-    assert res.exit_code == 0, res.output
-    return folder, db
+    return folder, build_small(folder)[1]
 
 
 FLOAT_TEXT = st.one_of(st.floats(0.0, 3.0).map(repr), st.floats(0.0, 3.0).map(repr),

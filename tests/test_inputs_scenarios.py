@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 from click.testing import CliRunner
+from scenario_docs import small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog.scenarios import load_scenario
@@ -17,32 +18,11 @@ from coral_dagster.store import Store
 from coral_dagster.templates.library import load_library, store_library
 
 CORE = yaml.safe_load((paths.SCENARIOS_DIR / "core.yaml").read_text())
-# A scenario small enough to build its library in seconds; named like the bundled one on purpose.
-SMALL = {"name": "core", "description": "one model on two GPU types", "regions": ["aws:us-east-2"],
-         "gpus": ["L40S", "L4"], "gpus_per_node": [1, 4],
-         "models": [{"model": "phi-4", "prefill_slo_ms": 1200, "decode_slo_ms": 60, "trace": "azure-conv",
-                     "rate_req_s": 1}],
-         "templates": {"n_max": 3, "rho": 12}}
-
 
 def _write(tmp_path, doc, name="s.yaml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def _with(doc, dotted, value):
-    """A deep copy of `doc` with the field at `dotted` (a.b or models.0.x) set, or removed for `...`."""
-    out = json.loads(json.dumps(doc))
-    *parents, leaf = dotted.split(".")
-    node = out
-    for p in parents:
-        node = node[int(p)] if isinstance(node, list) else node.setdefault(p, {})
-    if value is ...:
-        del node[int(leaf) if isinstance(node, list) else leaf]
-    else:
-        node[int(leaf) if isinstance(node, list) else leaf] = value
-    return out
 
 
 BAD = [
@@ -85,7 +65,7 @@ BAD = [
 
 @pytest.mark.parametrize("dotted,value,field", BAD, ids=[f"{d}={v!r}" for d, v, _ in BAD])
 def test_bad_field_names_file_field_value_and_fix(tmp_path, dotted, value, field):
-    path = _write(tmp_path, _with(CORE, dotted, value))
+    path = _write(tmp_path, with_field(CORE, dotted, value))
     with pytest.raises(CatalogError) as err:
         load_scenario(path)
     text = str(err.value)
@@ -93,14 +73,14 @@ def test_bad_field_names_file_field_value_and_fix(tmp_path, dotted, value, field
 
 
 def test_bad_cli_scenario_is_one_line_not_a_traceback(tmp_path):
-    path = _write(tmp_path, _with(CORE, "allocation.headroom", 0))
+    path = _write(tmp_path, with_field(CORE, "allocation.headroom", 0))
     res = CliRunner().invoke(main, ["plan", "--scenario", str(path), "--no-store", "--db", str(tmp_path / "c.db")])
     assert res.exit_code == 2 and isinstance(res.exception, SystemExit)
     assert "headroom" in res.output and "Fix:" in res.output and "Traceback" not in res.output
 
 
 def test_region_that_sells_nothing_is_named(tmp_path):
-    scn = load_scenario(_write(tmp_path, _with(CORE, "regions", ["aws:us-east-2", "aws:mars-north-1"])))
+    scn = load_scenario(_write(tmp_path, with_field(CORE, "regions", ["aws:us-east-2", "aws:mars-north-1"])))
     with pytest.raises(CoralError, match="aws:mars-north-1"):
         scn.market()
 
@@ -113,7 +93,7 @@ def test_market_refuses_non_finite_availability_scale(scale):
 
 @pytest.mark.parametrize("name", ["my scenario.yml", "x.yaml", "plain-file"])
 def test_any_file_name_and_yml(tmp_path, name):
-    path = _write(tmp_path, _with(CORE, "name", "mine"), name)
+    path = _write(tmp_path, with_field(CORE, "name", "mine"), name)
     scn = load_scenario(str(path))
     assert scn.name == "mine" and scn.models == load_scenario("core").models
 
@@ -121,7 +101,7 @@ def test_any_file_name_and_yml(tmp_path, name):
 def test_edited_file_is_read_again(tmp_path):
     path = _write(tmp_path, CORE)
     assert load_scenario(path).headroom == 1.1
-    path.write_text(yaml.safe_dump(_with(CORE, "allocation.headroom", 1.5)))
+    path.write_text(yaml.safe_dump(with_field(CORE, "allocation.headroom", 1.5)))
     assert load_scenario(path).headroom == 1.5
 
 
@@ -138,34 +118,34 @@ def test_library_key_changes_exactly_with_template_settings(tmp_path, dotted, va
     # The oracle: what `workload_for`, `build_tables` and `enumerate_multisets` read (coral.md §2) changes
     # the key; rates, headroom, regions, availability and names do not (templates are region- and demand-free).
     base = load_scenario("core")
-    changed = load_scenario(_write(tmp_path, _with(CORE, dotted, value)))
+    changed = load_scenario(_write(tmp_path, with_field(CORE, dotted, value)))
     assert (changed.library_key != base.library_key) == ((dotted, value) in TEMPLATE_FIELDS)
 
 
 def test_user_file_named_like_a_bundled_scenario_keeps_its_own_library(tmp_path):
     db = tmp_path / "c.duckdb"
     store = Store(db)
-    core, mine = load_scenario("core"), _write(tmp_path, SMALL, "my.yaml")
-    small = load_scenario(mine)
-    assert small.name == core.name and small.library_key != core.library_key
+    core, mine = load_scenario("core"), _write(tmp_path, small(name="core"), "my.yaml")
+    user = load_scenario(mine)
+    assert user.name == core.name and user.library_key != core.library_key
     # Stand-in for core's library: a distinct set of templates stored under core's key.
     from coral_dagster.templates.library import build_library
 
-    stand_in = build_library(dataclasses.replace(small, n_max=2), processes=1)
+    stand_in = build_library(dataclasses.replace(user, n_max=2), processes=1)
     store_library(store, stand_in, "core")
     res = CliRunner().invoke(main, ["templates", "build", "--scenario", str(mine), "--db", str(db), "--json",
                                     "--processes", "1"])
     assert res.exit_code == 0, res.output
     built = json.loads(res.output[res.output.index("{"):])
-    assert built["library_key"] == small.library_key and built["templates"] > 0
+    assert built["library_key"] == user.library_key and built["templates"] > 0
     assert load_library(store, "core") == sorted(stand_in, key=lambda t: t.template_id)  # untouched
-    assert len(load_library(store, small)) == built["templates"] != len(stand_in)
+    assert len(load_library(store, user)) == built["templates"] != len(stand_in)
     # The same file with --n-max is a third library; neither earlier one is replaced.
     res = CliRunner().invoke(main, ["templates", "build", "--scenario", str(mine), "--db", str(db), "--n-max", "2",
                                     "--processes", "1", "--json"])
     assert res.exit_code == 0, res.output
-    assert len(load_library(store, small)) == built["templates"]
-    assert load_library(store, dataclasses.replace(small, n_max=2)) == sorted(stand_in, key=lambda t: t.template_id)
+    assert len(load_library(store, user)) == built["templates"]
+    assert load_library(store, dataclasses.replace(user, n_max=2)) == sorted(stand_in, key=lambda t: t.template_id)
 
 
 def test_scenario_help_says_files_are_accepted():
