@@ -130,16 +130,24 @@ class Scenario:
 
 def scenario_names() -> list[str]:
     """Names of the bundled scenarios."""
-    return sorted(p.stem for p in paths.SCENARIOS_DIR.iterdir() if p.suffix in SCENARIO_SUFFIXES)
+    return sorted(_bundled_files())
+
+
+def _bundled_files() -> dict[str, Path]:
+    """Bundled scenario files by name (`core.yaml` before `core.yml`)."""
+    files: dict[str, Path] = {}
+    for p in sorted(paths.SCENARIOS_DIR.iterdir()):
+        if p.suffix in SCENARIO_SUFFIXES and p.is_file():
+            files.setdefault(p.stem, p)
+    return files
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
     """Read and validate a scenario by bundled name (`core`) or by the path of a YAML file (any name; `.yaml`
     and `.yml` paths are always taken as files)."""
     text, path = str(name_or_path), Path(name_or_path)
-    bundled = {n: paths.SCENARIOS_DIR / f"{n}{s}" for s in reversed(SCENARIO_SUFFIXES) for n in scenario_names()
-               if (paths.SCENARIOS_DIR / f"{n}{s}").is_file()}
-    if isinstance(name_or_path, str) and text in bundled and path.suffix not in SCENARIO_SUFFIXES:
+    bundled = _bundled_files()
+    if text in bundled and path.suffix not in SCENARIO_SUFFIXES and len(path.parts) == 1:
         path = bundled[text]
     elif path.suffix not in SCENARIO_SUFFIXES and not path.is_file():
         raise UnknownNameError("scenario (give a bundled name or the path of a .yaml/.yml file)", text, sorted(bundled))

@@ -70,7 +70,8 @@ class Store:
             try:
                 yield con
             except BaseException:
-                con.rollback()
+                with contextlib.suppress(duckdb.Error):  # a broken file may refuse even this; the first error counts
+                    con.rollback()
                 raise
             con.commit()
 
