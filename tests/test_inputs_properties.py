@@ -39,8 +39,12 @@ PLAN_FIELDS = ["models.0.rate_req_s", "allocation.headroom", "availability.defau
                "allocation.replan_interval_min", "allocation.node_startup_min", "availability.nodes"]
 
 
-def _mutated(base, fields, fewest=1):
-    return st.lists(st.tuples(st.sampled_from(fields), VALUE), min_size=fewest, max_size=3).map(
+EDGE_VALUES = [float("nan"), float("inf"), -1.0, 0, 0.5, 10**9]
+EDGE = st.sampled_from(EDGE_VALUES)
+
+
+def _mutated(base, fields, fewest=1, values=VALUE):
+    return st.lists(st.tuples(st.sampled_from(fields), values), min_size=fewest, max_size=3).map(
         lambda changes: _apply(base, changes))
 
 
@@ -121,13 +125,8 @@ def _strict_json(text: str):
     return json.loads(text[text.index("{"):], parse_constant=refuse)
 
 
-@settings(max_examples=50, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(doc=_mutated(SMALL, PLAN_FIELDS, fewest=0), scale=st.one_of(st.none(), st.just("1"), FLOAT_TEXT),
-       limit=st.one_of(st.none(), st.none(), FLOAT_TEXT), scarcity=st.sampled_from(["none", "scale", "fair"]))
-def test_plan_of_any_scenario_and_floats_is_a_clear_error_or_finite_json(small_db, doc, scale, limit, scarcity):
-    folder, db = small_db
-    path = folder / "case.yaml"
+def _plan_run(db, path, doc, scarcity="none", scale=None, limit=None) -> str:
+    """Run `coral plan` on `doc`; assert a clear error or a finite plan that is what it says; returns the outcome."""
     path.write_text(yaml.safe_dump(doc))
     args = ["plan", "--scenario", str(path), "--no-store", "--json", "--db", str(db), "--scarcity", scarcity]
     args += ["--availability-scale", scale] if scale is not None else []
@@ -135,20 +134,39 @@ def test_plan_of_any_scenario_and_floats_is_a_clear_error_or_finite_json(small_d
     res = CliRunner().invoke(main, args)
     assert res.exception is None or isinstance(res.exception, SystemExit), repr(res.exception)
     assert "Traceback" not in res.output
-    event(f"exit {res.exit_code}")
-    if res.exit_code == 0:
-        out = _strict_json(res.output)
-        assert _finite_everywhere(out)
-        assert math.isclose(out["cost_usd_per_hour"], sum(i["usd_per_hour"] for i in out["instances"]),
-                            rel_tol=1e-9, abs_tol=1e-9)
-        assert all(isinstance(i["count"], int) and i["count"] >= 1 for i in out["instances"])
-        served = out["served"]
-        assert set(served) == {"phi-4/prefill", "phi-4/decode"} and all(v["demand_tokens_per_s"] > 0
-                                                                        for v in served.values())
-        if out["status"] == "optimal" and scarcity == "none":  # an optimal plan serves all the demand
-            assert all(v["served_tokens_per_s"] >= v["demand_tokens_per_s"] * (1 - 1e-9) for v in served.values())
-    else:
+    if res.exit_code != 0:
         assert res.exit_code == 2 and ("error:" in res.output or "Invalid value" in res.output), res.output
+        return "clear error"
+    out = _strict_json(res.output)
+    assert _finite_everywhere(out)
+    assert math.isclose(out["cost_usd_per_hour"], sum(i["usd_per_hour"] for i in out["instances"]),
+                        rel_tol=1e-9, abs_tol=1e-9)
+    assert all(isinstance(i["count"], int) and i["count"] >= 1 for i in out["instances"])
+    served = out["served"]
+    assert set(served) == {"phi-4/prefill", "phi-4/decode"}
+    assert all(isinstance(v["demand_tokens_per_s"], float) and v["demand_tokens_per_s"] > 0 for v in served.values())
+    if out["status"] == "optimal" and scarcity == "none":  # an optimal plan serves all the demand
+        assert all(v["served_tokens_per_s"] >= v["demand_tokens_per_s"] * (1 - 1e-9) for v in served.values())
+    return "plan"
+
+
+@settings(max_examples=50, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(doc=_mutated(SMALL, PLAN_FIELDS, fewest=0, values=st.one_of(VALUE, EDGE)),
+       scale=st.one_of(st.none(), st.just("1"), FLOAT_TEXT), limit=st.one_of(st.none(), st.none(), FLOAT_TEXT),
+       scarcity=st.sampled_from(["none", "scale", "fair"]))
+def test_plan_of_any_scenario_and_floats_is_a_clear_error_or_finite_json(small_db, doc, scale, limit, scarcity):
+    folder, db = small_db
+    event(_plan_run(db, folder / "case.yaml", doc, scarcity, scale, limit))
+
+
+@pytest.mark.parametrize("value", EDGE_VALUES, ids=repr)
+@pytest.mark.parametrize("dotted", PLAN_FIELDS)
+def test_plan_of_every_edge_value_in_every_plan_field(small_db, dotted, value):
+    # The grid beside the search: each plan field at each edge value (NaN rates once made an "optimal" plan
+    # serving nothing, headroom 0 a "$0.00/h optimal" one).
+    folder, db = small_db
+    _plan_run(db, folder / "grid.yaml", with_field(SMALL, dotted, value))
 
 
 @settings(max_examples=300, derandomize=True)
