@@ -40,3 +40,7 @@ class SolverTimeoutError(CoralError):
 
 class StoreLockedError(CoralError):
     """The DuckDB file is held by another process."""
+
+
+class StoreFileError(CoralError):
+    """The DuckDB file cannot be opened, read or written: truncated, corrupted, read-only or of an older schema."""

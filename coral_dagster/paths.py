@@ -17,3 +17,9 @@ TRACES_DIR = DATA_DIR / "traces"
 def default_db_path() -> Path:
     """The DuckDB file: `$CORAL_DB` when set, else `data/coral.duckdb`."""
     return Path(os.environ.get("CORAL_DB", DATA_DIR / "coral.duckdb"))
+
+
+def prices_file() -> Path | None:
+    """A user price table (`$CORAL_PRICES`, set by `--prices FILE`) that replaces the bundled SkyPilot rows."""
+    value = os.environ.get("CORAL_PRICES")
+    return Path(value) if value else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -135,13 +136,14 @@ def test_frame_and_duckdb_round_trip(small_library, tmp_path):
     _, _, kept, _, _ = small_library
     assert templates_from_frame(templates_to_frame(kept, "core")) == kept
     store = Store(tmp_path / "t.duckdb")
+    other = dataclasses.replace(load_scenario("core"), n_max=5)  # another library key
     assert store_library(store, kept, "core") == len(kept)
-    assert store_library(store, kept[:3], "other") == 3
+    assert store_library(store, kept[:3], other) == 3
     assert store_library(store, kept, "core") == len(kept)  # replaces the scenario's rows, no duplicates
     assert load_library(store, "core") == sorted(kept, key=lambda t: t.template_id)
-    assert len(load_library(store, "other")) == 3
-    nodes = store.query("SELECT template_id, sum(count) AS n FROM template_nodes WHERE scenario = 'core' "
-                        "GROUP BY template_id")
+    assert len(load_library(store, other)) == 3
+    nodes = store.query("SELECT template_id, sum(count) AS n FROM template_nodes WHERE library_key = ? "
+                        "GROUP BY template_id", [load_scenario("core").library_key])
     size = {t.template_id: t.nodes.size for t in kept}
     assert len(nodes) == len(kept) and all(size[r.template_id] == r.n for r in nodes.itertuples())
     assert load_library(Store(tmp_path / "empty.duckdb"), "core") == []

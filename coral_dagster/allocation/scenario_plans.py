@@ -13,7 +13,7 @@ from coral_dagster.templates.types import Template
 
 def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[Template, ...]:
     """The scenario's template library: from the DuckDB store when it holds templates at the scenario's SLOs,
-    else built now (and stored, for a bundled scenario left as shipped)."""
+    else built now and stored under the scenario's `library_key` (so no other scenario's library is touched)."""
     from coral_dagster.store import Store
     from coral_dagster.templates.library import build_library, load_library, store_library
 
@@ -22,8 +22,7 @@ def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[T
     if stored and _covers(scenario, stored):
         return stored
     built = tuple(build_library(scenario, progress=True))
-    if scenario == load_scenario(scenario.name):
-        store_library(store, built, scenario)
+    store_library(store, built, scenario)
     return built
 
 

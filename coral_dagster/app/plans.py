@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -38,64 +37,13 @@ def find_plan(store: Store, scenario: str, method: str = "coral") -> Plan | None
 def resolve_plan(store: Store, ref: str, scenario: str, method: str = "coral") -> Plan:
     """A plan named on the command line: `latest` (the scenario's newest plan of `method`), a stored plan id, or a
     JSON file as `coral plan --json` prints it."""
+    from coral_dagster.app.plan_files import is_plan_file, load_plan_file
+
     if ref == LATEST:
         return latest_plan(store, scenario, method)
-    path = Path(ref)
-    if path.suffix == ".json" or path.is_file():
-        return plan_file(path, store)
+    if is_plan_file(ref):
+        return load_plan_file(Path(ref), store)
     return load_plan(store, ref)
-
-
-def plan_file(path: Path, store: Store) -> Plan:
-    """A plan file: instances with their stages are read as they are; otherwise its plan_id is looked up."""
-    if not path.is_file():
-        raise CoralError(f"plan file {path} does not exist.", "give the JSON `coral plan --json` printed.")
-    try:
-        doc = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CoralError(f"plan file {path} is not JSON ({exc}).", "give the JSON `coral plan --json` printed.")
-    rows = doc.get("instances") if isinstance(doc, dict) else None
-    if not isinstance(rows, list):
-        raise CoralError(f"plan file {path} has no instances list.", "give the JSON `coral plan --json` printed.")
-    if all(isinstance(r, dict) and ("stages" in r or "stages_json" in r) for r in rows):
-        return plan_from_json(doc, path)
-    if not doc.get("plan_id"):
-        raise CoralError(f"plan file {path} lists instances without their stages and has no plan_id.",
-                         "store the plan (`coral plan` without --no-store) and pass its plan_id or the file.")
-    return load_plan(store, doc["plan_id"])
-
-
-def plan_from_json(doc: dict, source: Path | str = "plan JSON") -> Plan:
-    """A Plan from a JSON document whose instances carry their stages (`stages` or `stages_json`); demand and served
-    tokens/s are read back from its `served` table so routing weights are the plan's own."""
-    from coral_dagster.allocation.types import PlannedInstance
-    from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-    from coral_dagster.templates.types import Stage, Template
-
-    instances = []
-    try:
-        for row in doc.get("instances", []):
-            raw = row.get("stages", row.get("stages_json"))
-            raw = json.loads(raw) if isinstance(raw, str) else raw
-            stages = tuple(Stage(int(s["start"]), int(s["end"]), tuple(NodeConfig.parse(n) for n in s["nodes"]),
-                                 tuple(float(x) for x in s["shares"])) for s in raw)
-            count = int(row["count"])
-            # `coral plan --json` prints tokens/s and $/h of all `count` instances together.
-            template = Template(row["model"], row["phase"], float(row.get("slo_ms", 0.0)),
-                                NodeMultiset.of([n for s in stages for n in s.nodes]), stages,
-                                float(row["tokens_per_s"]) / max(count, 1), row.get("bound", "compute"))
-            instances.append(PlannedInstance(template, row["region"], count,
-                                             float(row["usd_per_hour"]) / max(count, 1)))
-        served = doc.get("served") or {}
-        demand = {tuple(k.rsplit("/", 1)): float(v["demand_tokens_per_s"]) for k, v in served.items()}
-        supplied = {tuple(k.rsplit("/", 1)): float(v["served_tokens_per_s"]) for k, v in served.items()}
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        raise CoralError(f"{source}: an instance or served entry is malformed ({type(exc).__name__}: {exc}).",
-                         "give the JSON `coral plan --json` printed, unedited.")
-    return Plan(doc.get("scenario", ""), doc.get("method", "coral"), doc.get("status", "optimal"),
-                float(doc.get("cost_usd_per_hour") or 0.0), float(doc.get("lp_bound_usd_per_hour") or 0.0),
-                float(doc.get("gap") or 0.0), float(doc.get("solve_s") or 0.0), tuple(instances), demand, supplied,
-                snapshot_id=str(doc.get("snapshot_id") or ""), plan_id=str(doc.get("plan_id") or ""))
 
 
 def plan_problem(store: Store, plan: Plan) -> AllocationProblem:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ def rows_of(doc: Any, key: str, path: Path) -> list[dict]:
 
 def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: int, *, positive: bool = False,
           default: Any = ...) -> Any:
-    """One typed field of one row; missing, mistyped or non-positive values raise `CatalogError`."""
+    """One typed field of one row; missing, mistyped, non-finite or non-positive values raise `CatalogError`."""
     if name not in row:
         if default is not ...:
             return default
@@ -43,6 +44,8 @@ def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: 
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise CatalogError(path, idx, name, f"{value!r} is not a {getattr(kind, '__name__', kind)}",
                            f"give {name} a value of that type")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise CatalogError(path, idx, name, f"{value!r} is not a finite number", f"give {name} a finite number")
     if positive and value <= 0:
         raise CatalogError(path, idx, name, f"{value!r} must be positive", f"give {name} a value above 0")
     return value

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -9,6 +10,9 @@ import pandas as pd
 
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
+
+#: A region Coral prices: `cloud:region` on AWS or GCP.
+REGION_RE = re.compile(r"^(aws|gcp):[a-z0-9-]+$")
 
 
 @dataclass(frozen=True)

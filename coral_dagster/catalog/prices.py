@@ -315,5 +315,87 @@ def _bundled() -> PriceBuild:
 
 
 def load_node_prices() -> pd.DataFrame:
-    """The price table of the bundled snapshot, built once per process; callers get their own copy."""
-    return _bundled().prices.copy()
+    """The price table in use, built once per process; callers get their own copy. It is the user's price file
+    when `$CORAL_PRICES` names one (`--prices FILE`), else the bundled snapshot."""
+    user = paths.prices_file()
+    if user is None:
+        return _bundled().prices.copy()
+    if not user.is_file():
+        raise CatalogError(user, "-", "-", "price file not found (named by CORAL_PRICES or --prices)",
+                           "give the path of a CSV with columns " + ", ".join(USER_PRICE_COLUMNS))
+    stat = user.stat()
+    return _user_prices(user.resolve(), stat.st_mtime_ns, stat.st_size).copy()
+
+
+USER_PRICE_COLUMNS = ("region", "node", "instance_type", "usd_per_hour")
+_USER_OPTIONAL = ("spot_usd_per_hour", "zones")
+
+
+@lru_cache(maxsize=4)
+def _user_prices(path: Path, _mtime_ns: int, _size: int) -> pd.DataFrame:
+    """A user price table: one row per (region, node configuration) with its instance type, on-demand and
+    optional spot $/node-hour (the columns `coral catalog prices --json` prints); every cell is checked."""
+    from coral_dagster.catalog.market import REGION_RE
+    from coral_dagster.catalog.nodes import NodeConfig
+    from coral_dagster.errors import CoralError
+
+    try:
+        df = pd.read_csv(path, dtype=str, keep_default_na=False)
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as exc:
+        raise CatalogError(path, "?", "-", f"not a readable CSV ({exc})",
+                           "write a CSV with the header " + ",".join(USER_PRICE_COLUMNS)) from None
+    missing = [c for c in USER_PRICE_COLUMNS if c not in df.columns]
+    if missing:
+        raise CatalogError(path, 1, missing[0], f"column(s) {', '.join(missing)} missing from the header",
+                           "write the header " + ",".join(USER_PRICE_COLUMNS) + "[,spot_usd_per_hour]")
+    rows, seen = [], {}
+    for i, r in enumerate(df.to_dict("records")):
+        line = i + 2
+        r = {k: str(v).strip() for k, v in r.items()}
+        if not REGION_RE.match(r["region"]):
+            raise CatalogError(path, line, "region", f"{r['region']!r} is not cloud:region on aws or gcp",
+                               "write regions like aws:us-east-2 or gcp:us-central1")
+        try:
+            node = NodeConfig.parse(r["node"])
+        except CoralError as exc:
+            raise CatalogError(path, line, "node", exc.problem.rstrip("."), exc.fix) from None
+        reason = _gpu_reason(node.gpu, float(node.count))
+        if reason:
+            raise CatalogError(path, line, "node", reason, "use a GPU of data/catalog/gpus.yaml with 1, 2, 4 or 8")
+        if not r["instance_type"]:
+            raise CatalogError(path, line, "instance_type", "empty", "name the cloud's instance type, e.g. g6.xlarge")
+        price = _user_number(r["usd_per_hour"], path, line, "usd_per_hour", required=True)
+        spot = _user_number(r.get("spot_usd_per_hour", ""), path, line, "spot_usd_per_hour", required=False)
+        if spot > price:
+            raise CatalogError(path, line, "spot_usd_per_hour", f"{spot:g} is above the on-demand {price:g}",
+                               "give a spot price at most the on-demand one, or leave it empty")
+        zones = r.get("zones") or "1"
+        if not zones.isdigit() or int(zones) < 1:
+            raise CatalogError(path, line, "zones", f"{zones!r} is not a positive integer", "give a count such as 1")
+        key = (r["region"], str(node))
+        if key in seen:
+            raise CatalogError(path, line, "node", f"{key[1]} in {key[0]} repeats line {seen[key]}",
+                               "keep one row per region and node configuration")
+        seen[key] = line
+        rows.append({"region": r["region"], "node": str(node), "gpu": node.gpu, "gpus": node.count,
+                     "instance_type": r["instance_type"], "usd_per_hour": price, "spot_usd_per_hour": spot,
+                     "zones": int(zones)})
+    if not rows:
+        raise CatalogError(path, 2, "-", "no price rows", "add one row per region and node configuration")
+    out = pd.DataFrame(rows, columns=list(PRICE_COLUMNS)).sort_values(["region", "gpu", "gpus"])
+    return out.reset_index(drop=True).astype({"gpus": int, "zones": int, "usd_per_hour": float,
+                                              "spot_usd_per_hour": float})
+
+
+def _user_number(text: str, path: Path, line: int, col: str, *, required: bool) -> float:
+    """A positive finite $/hour; empty is NaN (no spot market) where the column is optional."""
+    if text == "" and not required:
+        return math.nan
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise CatalogError(path, line, col, f"{text!r} is not a positive number of US dollars per hour",
+                           "write e.g. 1.006" + ("" if required else ", or leave it empty when there is none"))
+    return value

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass, field as dataclass_field
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
@@ -10,11 +14,29 @@ from pathlib import Path
 from coral_dagster import paths
 from coral_dagster.catalog._load import field, read_yaml, rows_of, check_unique
 from coral_dagster.catalog.gpus import gpu_catalog
-from coral_dagster.catalog.market import MarketSnapshot, Offer
+from coral_dagster.catalog.market import REGION_RE, MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
 
 TRACES = ("azure-conv", "azure-code")
+SCENARIO_SUFFIXES = (".yaml", ".yml")
+TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "link_gbps", "models",
+                      "availability", "templates", "allocation"})
+MODEL_KEYS = frozenset({"model", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
+TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "prefill_utilisation"})
+AVAILABILITY_KEYS = frozenset({"default_nodes", "nodes"})
+ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
+# Bounds of the scenario format: wide enough for any real setting, tight enough that a typo cannot make a plan
+# silently meaningless (an SLO of a day, a billion requests per second) or a library build that never ends.
+MAX_SLO_MS = 600_000.0
+MAX_RATE_REQ_S = 1e6
+MAX_NODES = 100_000
+MAX_N_MAX = 8
+MAX_RHO = 100.0
+MAX_HEADROOM = 10.0
+MAX_MINUTES = 1440.0
+MAX_LINK_GBPS = 10_000.0
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,20 @@ class Scenario:
     replan_interval_min: float
     node_startup_min: float
     link_gbps: float | None
+    path: str = dataclass_field(default="", compare=False)
+
+    @property
+    def library_key(self) -> str:
+        """What the template library depends on, as a digest: the models with their SLOs, traces and margins, the
+        node configurations, n_max, ρ, the link and the data files templates are computed from. Libraries are
+        stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
+        settings = {
+            "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
+                              m.prefill_utilisation] for m in self.models),
+            "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
+            "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
+        }
+        return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
     def model(self, alias: str) -> ScenarioModel:
         """The scenario's entry for one model."""
@@ -69,6 +105,10 @@ class Scenario:
         """Price and availability snapshot: the bundled prices of the scenario's regions and node configurations."""
         from coral_dagster.catalog.prices import load_node_prices
 
+        if not (isinstance(availability_scale, (int, float)) and math.isfinite(availability_scale)
+                and availability_scale >= 0):
+            raise CoralError(f"availability scale {availability_scale!r} is not a finite number of at least 0.",
+                             "give a factor such as 1 (as listed) or 0.5 (half the nodes).")
         table = load_node_prices() if prices is None else prices
         offers = []
         for row in table.itertuples(index=False):
@@ -78,9 +118,12 @@ class Scenario:
             available = int(self.availability(row.region, node) * availability_scale)
             spot = None if row.spot_usd_per_hour != row.spot_usd_per_hour else float(row.spot_usd_per_hour)
             offers.append(Offer(row.region, node, row.instance_type, float(row.usd_per_hour), spot, available))
-        if not offers:
-            raise CoralError(f"scenario {self.name} has no priced node configuration in {', '.join(self.regions)}.",
-                             "check its regions and gpus against `coral catalog prices`.")
+        unpriced = [r for r in self.regions if not any(o.region == r for o in offers)]
+        if unpriced:
+            raise CoralError(f"scenario {self.name} ({self.path or 'in code'}): region(s) {', '.join(unpriced)} sell "
+                             "none of its node configurations in the price table.",
+                             "use regions and gpus listed by `coral catalog prices` (or give a --prices file "
+                             "that prices them).")
         taken_at = taken_at or datetime.now(timezone.utc).replace(microsecond=0)
         snapshot_id = f"{self.name}-{taken_at:%Y%m%dT%H%M%S}-x{availability_scale:g}"
         return MarketSnapshot(snapshot_id, taken_at, tuple(sorted(offers, key=lambda o: (o.region, o.node))))
@@ -88,94 +131,176 @@ class Scenario:
 
 def scenario_names() -> list[str]:
     """Names of the bundled scenarios."""
-    return sorted(p.stem for p in paths.SCENARIOS_DIR.glob("*.yaml"))
+    return sorted(_bundled_files())
+
+
+def _bundled_files() -> dict[str, Path]:
+    """Bundled scenario files by name (`core.yaml` before `core.yml`)."""
+    files: dict[str, Path] = {}
+    for p in sorted(paths.SCENARIOS_DIR.iterdir()):
+        if p.suffix in SCENARIO_SUFFIXES and p.is_file():
+            files.setdefault(p.stem, p)
+    return files
 
 
 def load_scenario(name_or_path: str | Path) -> Scenario:
-    """Read and validate a scenario by bundled name (`core`) or YAML path."""
-    path = Path(name_or_path)
-    if path.suffix != ".yaml":
-        if str(name_or_path) not in scenario_names():
-            raise UnknownNameError("scenario", str(name_or_path), scenario_names())
-        path = paths.SCENARIOS_DIR / f"{name_or_path}.yaml"
-    return _parse(path)
+    """Read and validate a scenario by bundled name (`core`) or by the path of a YAML file (any name; `.yaml`
+    and `.yml` paths are always taken as files)."""
+    text, path = str(name_or_path), Path(name_or_path)
+    bundled = _bundled_files()
+    if text in bundled and path.suffix not in SCENARIO_SUFFIXES and len(path.parts) == 1:
+        path = bundled[text]
+    elif path.suffix not in SCENARIO_SUFFIXES and not path.is_file():
+        raise UnknownNameError("scenario (give a bundled name or the path of a .yaml/.yml file)", text, sorted(bundled))
+    if not path.is_file():
+        raise CatalogError(path, "-", "-", "scenario file not found", "check the path, or use a bundled scenario")
+    stat = path.stat()
+    return _parse(path.resolve(), stat.st_mtime_ns, stat.st_size)
 
 
-@lru_cache(maxsize=None)
-def _parse(path: Path) -> Scenario:
+@lru_cache(maxsize=64)
+def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
+    """The scenario in `path` (cached per file version), every field checked where it enters."""
     from coral_dagster.catalog.models import model_catalog
 
     doc = read_yaml(path)
     if not isinstance(doc, dict):
         raise CatalogError(path, "-", "-", "expected a mapping at the top level", "see data/scenarios/core.yaml")
-    top = {"name": doc.get("name"), **doc}
-    name = field(top, "name", str, path, 0)
+    _known_keys(doc, TOP_KEYS, path, "-")
+    name = field(doc, "name", str, path, "-")
+    if not _NAME.match(name):
+        raise CatalogError(path, "-", "name", f"{name!r} is not a scenario name",
+                           "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    description = field(doc, "description", str, path, "-", default="")
     gpus = _str_list(doc, "gpus", path)
     for g in gpus:
         if g not in gpu_catalog():
             raise CatalogError(path, "gpus", "gpus", f"unknown GPU {g!r}", f"use one of {', '.join(gpu_catalog())}")
     counts = doc.get("gpus_per_node", list(GPUS_PER_NODE))
-    if not isinstance(counts, list) or any(c not in GPUS_PER_NODE for c in counts):
-        raise CatalogError(path, "gpus_per_node", "gpus_per_node", f"{counts!r} is not a subset of {GPUS_PER_NODE}",
-                           "list GPU counts from 1, 2, 4, 8")
+    if (not isinstance(counts, list) or not counts or len(set(map(repr, counts))) != len(counts)
+            or any(isinstance(c, bool) or c not in GPUS_PER_NODE for c in counts)):
+        raise CatalogError(path, "gpus_per_node", "gpus_per_node",
+                           f"{counts!r} is not a non-empty subset of {list(GPUS_PER_NODE)}",
+                           "list GPU counts from 1, 2, 4, 8, each once")
     regions = _str_list(doc, "regions", path)
     for r in regions:
-        if r.count(":") != 1 or r.split(":")[0] not in ("aws", "gcp"):
+        if not REGION_RE.match(r):
             raise CatalogError(path, "regions", "regions", f"region {r!r} is not cloud:region on aws or gcp",
                                "write regions like aws:us-east-2 or gcp:us-central1")
+    node_configs = tuple(NodeConfig(g, c) for g in gpus for c in counts)
     catalog = model_catalog()
-    tpl = doc.get("templates") or {}
-    margins = {k: float(field(tpl, k, (int, float), path, "templates", default=1.0))
+    tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
+    margins = {k: _number(tpl, k, path, "templates", 1.0, 0.0, 1.0, low_open=True)
                for k in ("slo_margin", "prefill_utilisation")}
-    for k, v in margins.items():
-        if not 0 < v <= 1:
-            raise CatalogError(path, "templates", k, f"{v:g} is not in (0, 1]", f"give {k} between 0 and 1")
-    models = []
     rows = rows_of(doc, "models", path)
-    for i, r in enumerate(rows):
+    if not rows:
+        raise CatalogError(path, "-", "models", "the list is empty", "list at least one model (see core.yaml)")
+    models = []
+    for n, r in enumerate(rows):
+        i = f"models[{n}]"
+        _known_keys(r, MODEL_KEYS, path, i)
         alias = field(r, "model", str, path, i)
         if alias not in catalog:
             raise CatalogError(path, i, "model", f"unknown model {alias!r}", f"use one of {', '.join(catalog)}")
         trace = field(r, "trace", str, path, i)
         if trace not in TRACES:
             raise CatalogError(path, i, "trace", f"unknown trace {trace!r}", f"use one of {', '.join(TRACES)}")
-        target = float(field(r, "attainment_target", (int, float), path, i, default=0.95))
-        if not 0 < target < 1:
-            raise CatalogError(path, i, "attainment_target", f"{target:g} is not in (0, 1)",
-                               "give the share of requests that must meet their SLOs, e.g. 0.95")
-        models.append(ScenarioModel(alias, field(r, "prefill_slo_ms", float, path, i, positive=True),
-                                    field(r, "decode_slo_ms", float, path, i, positive=True), trace,
-                                    field(r, "rate_req_s", float, path, i, positive=True), **margins,
-                                    attainment_target=target))
+        models.append(ScenarioModel(alias, _number(r, "prefill_slo_ms", path, i, ..., 0.0, MAX_SLO_MS, low_open=True),
+                                    _number(r, "decode_slo_ms", path, i, ..., 0.0, MAX_SLO_MS, low_open=True), trace,
+                                    _number(r, "rate_req_s", path, i, ..., 0.0, MAX_RATE_REQ_S, low_open=True),
+                                    **margins, attainment_target=_attainment_target(r, path, i)))
     check_unique([m.model for m in models], path, "model")
-    avail = doc.get("availability") or {}
+    check_unique(gpus, path, "gpus")
+    check_unique(regions, path, "regions")
+    avail = _section(doc, "availability", AVAILABILITY_KEYS, path)
+    default_nodes = int(_number(avail, "default_nodes", path, "availability", 16, 0, MAX_NODES, integer=True))
+    nodes_by_region = avail.get("nodes") or {}
+    if not isinstance(nodes_by_region, dict):
+        raise CatalogError(path, "availability", "nodes", f"{nodes_by_region!r} is not a mapping",
+                           "write nodes: {REGION: {GPU:count: N, ...}}")
     overrides = []
-    for region, nodes in (avail.get("nodes") or {}).items():
+    for region, nodes in nodes_by_region.items():
         if region not in regions:
-            raise CatalogError(path, "availability", region, "region not in the scenario's regions",
+            raise CatalogError(path, "availability", str(region), "region not in the scenario's regions",
                                f"use one of {', '.join(regions)}")
+        if not isinstance(nodes, dict):
+            raise CatalogError(path, "availability", str(region), f"{nodes!r} is not a mapping",
+                               "write {GPU:count: N, ...} for the region")
         for node, k in nodes.items():
-            if not isinstance(k, int) or k < 0:
-                raise CatalogError(path, "availability", f"{region}/{node}", f"{k!r} is not a node count",
-                                   "give a non-negative integer")
-            overrides.append((region, NodeConfig.parse(node), k))
-    alloc = doc.get("allocation") or {}
+            config = _node_config(node, path, f"{region}/{node}")
+            if config not in node_configs:
+                raise CatalogError(path, "availability", f"{region}/{node}",
+                                   "not one of the scenario's node configurations (gpus x gpus_per_node)",
+                                   f"use one of {', '.join(map(str, node_configs))}")
+            overrides.append((region, config, int(_number(nodes, node, path, "availability", ..., 0, MAX_NODES,
+                                                          integer=True))))
+    alloc = _section(doc, "allocation", ALLOCATION_KEYS, path)
     link = doc.get("link_gbps")
     return Scenario(
         name=name,
-        description=str(doc.get("description", "")),
+        description=description,
         regions=tuple(regions),
-        node_configs=tuple(NodeConfig(g, c) for g in gpus for c in counts),
+        node_configs=node_configs,
         models=tuple(models),
-        default_nodes=int(avail.get("default_nodes", 16)),
+        default_nodes=default_nodes,
         available_nodes=tuple(overrides),
-        n_max=int(field(tpl, "n_max", int, path, "templates", default=6)),
-        rho=float(field(tpl, "rho", (int, float), path, "templates", default=12)),
-        headroom=float(field(alloc, "headroom", (int, float), path, "allocation", default=1.1)),
-        replan_interval_min=float(field(alloc, "replan_interval_min", (int, float), path, "allocation", default=6)),
-        node_startup_min=float(field(alloc, "node_startup_min", (int, float), path, "allocation", default=10)),
-        link_gbps=float(link) if link is not None else None,
+        n_max=int(_number(tpl, "n_max", path, "templates", 6, 1, MAX_N_MAX, integer=True)),
+        rho=_number(tpl, "rho", path, "templates", 12.0, 1.0, MAX_RHO),
+        headroom=_number(alloc, "headroom", path, "allocation", 1.1, 1.0, MAX_HEADROOM),
+        replan_interval_min=_number(alloc, "replan_interval_min", path, "allocation", 6.0, 0.0, MAX_MINUTES,
+                                    low_open=True),
+        node_startup_min=_number(alloc, "node_startup_min", path, "allocation", 10.0, 0.0, MAX_MINUTES),
+        link_gbps=None if link is None else _number(doc, "link_gbps", path, "-", ..., 0.0, MAX_LINK_GBPS,
+                                                    low_open=True),
+        path=str(path),
     )
+
+
+def _section(doc: dict, key: str, known: frozenset[str], path: Path) -> dict:
+    """An optional mapping under `key` whose keys are all known."""
+    value = doc.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise CatalogError(path, key, key, f"{value!r} is not a mapping", f"write {key}: {{...}} (see core.yaml)")
+    _known_keys(value, known, path, key)
+    return value
+
+
+def _known_keys(doc: dict, known: frozenset[str], path: Path, row: object) -> None:
+    """A misspelt key would be ignored silently, so every key must be one the scenario format has."""
+    for key in doc:
+        if key not in known:
+            raise CatalogError(path, row, str(key), "unknown key", f"use one of {', '.join(sorted(known))}")
+
+
+def _number(doc: dict, key: str, path: Path, row: object, default, low: float, high: float, *,
+            low_open: bool = False, integer: bool = False) -> float:
+    """A finite number (an integer when `integer`) in [low, high] ((low, high] when `low_open`)."""
+    value = field(doc, key, int if integer else (int, float), path, row, default=default)
+    inside = (value > low if low_open else value >= low) and value <= high
+    if not inside:
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+        raise CatalogError(path, row, key, f"{value!r} is outside {interval}",
+                           f"give {key} a{'n integer' if integer else ' number'} in {interval}")
+    return value if integer else float(value)
+
+
+def _attainment_target(row: dict, path: Path, where: str) -> float:
+    """The share of a model's requests that must meet both SLOs (default 0.95), in (0, 1)."""
+    value = _number(row, "attainment_target", path, where, 0.95, 0.0, 1.0, low_open=True)
+    if value >= 1.0:
+        raise CatalogError(path, where, "attainment_target", f"{value:g} is not below 1",
+                           "give the share of requests that must meet their SLOs, e.g. 0.95 (1 needs unbounded capacity)")
+    return value
+
+
+def _node_config(text: object, path: Path, where: str) -> NodeConfig:
+    try:
+        return NodeConfig.parse(str(text))
+    except CoralError as exc:
+        raise CatalogError(path, "availability", where, f"{text!r} is not a node configuration ({exc.problem})",
+                           "write GPU:count, e.g. L4:2") from None
 
 
 def _str_list(doc: dict, key: str, path: Path) -> list[str]:
@@ -183,3 +308,24 @@ def _str_list(doc: dict, key: str, path: Path) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
         raise CatalogError(path, key, key, f"expected a non-empty list of names, got {value!r}", f"add '{key}: [...]'")
     return value
+
+
+@lru_cache(maxsize=64)
+def _file_digest(path: Path, _mtime_ns: int, _size: int) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _sources_digest(traces: tuple[str, ...]) -> str:
+    """A digest of the data files templates are computed from: GPU and model catalogs, the performance model's
+    fit and measured tables, and the traces whose request lengths shape the workloads."""
+    from coral_dagster.catalog.traces import TRACE_FILES
+    from coral_dagster.profiles.fit import FIT_FILE
+    from coral_dagster.profiles.measured import MEASURED_FILES
+
+    files = [paths.CATALOG_DIR / "gpus.yaml", paths.CATALOG_DIR / "models.yaml", paths.PROFILES_DIR / FIT_FILE,
+             *(paths.PROFILES_DIR / f for f in MEASURED_FILES), *(paths.TRACES_DIR / TRACE_FILES[t] for t in traces)]
+    parts = []
+    for f in files:
+        stat = f.stat() if f.is_file() else None
+        parts.append(f"{f.name}:{_file_digest(f, stat.st_mtime_ns, stat.st_size) if stat else 'missing'}")
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()

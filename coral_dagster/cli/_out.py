@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import os
 from typing import Any
 
 import click
@@ -12,10 +14,21 @@ from rich.table import Table
 
 
 def emit_json(data: Any) -> None:
-    """Print `data` as JSON (DataFrames become lists of records)."""
+    """Print `data` as JSON (DataFrames become lists of records); NaN and infinities print as null, since JSON
+    has no such numbers and scripts reading ours must never meet them."""
     if isinstance(data, pd.DataFrame):
         data = json.loads(data.to_json(orient="records", date_format="iso"))
-    click.echo(json.dumps(data, indent=2, default=str))
+    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
+
+
+def _finite(data: Any) -> Any:
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {k: _finite(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_finite(v) for v in data]
+    return data
 
 
 def emit_table(df: pd.DataFrame, title: str = "") -> None:
@@ -36,3 +49,58 @@ def emit(df: pd.DataFrame, as_json: bool, title: str = "") -> None:
 json_option = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
 db_option = click.option("--db", "db_path", type=click.Path(dir_okay=False), default=None,
                          help="DuckDB file (default: $CORAL_DB or data/coral.duckdb).")
+
+
+class FiniteFloat(click.ParamType):
+    """A float option that must be finite and within bounds: NaN, inf and out-of-range values are usage errors
+    naming the option, the value and the range, never a traceback or a silent change of result."""
+
+    name = "number"
+
+    def __init__(self, low: float | None = None, high: float | None = None, *, low_open: bool = False) -> None:
+        self.low, self.high, self.low_open = low, high, low_open
+
+    def _range(self) -> str:
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return f"{'(' if self.low_open or self.low is None else '['}{low}, {high}{')' if self.high is None else ']'}"
+
+    def convert(self, value: Any, param, ctx) -> float:
+        try:
+            x = float(value)
+        except (TypeError, ValueError):
+            self.fail(f"{value!r} is not a number; give a finite number in {self._range()}.", param, ctx)
+        if not math.isfinite(x):
+            self.fail(f"{value!r} is not a finite number; give a finite number in {self._range()}.", param, ctx)
+        below = self.low is not None and (x <= self.low if self.low_open else x < self.low)
+        if below or (self.high is not None and x > self.high):
+            self.fail(f"{value!r} is outside {self._range()}; give a number in that range.", param, ctx)
+        return x
+
+
+POSITIVE = FiniteFloat(0.0, low_open=True)
+NON_NEGATIVE = FiniteFloat(0.0)
+
+SCENARIO_HELP = ("a bundled name (core, extended, helix) or the path of a scenario file (.yaml or .yml, any file "
+                 "and scenario name; see data/scenarios/core.yaml)")
+
+
+def _use_prices(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
+    """Check the price file now and make it the price table of this process (`$CORAL_PRICES`)."""
+    if value is None:
+        return
+    from coral_dagster.catalog.prices import load_node_prices
+    from coral_dagster.errors import CoralError
+
+    os.environ["CORAL_PRICES"] = os.path.abspath(value)
+    try:
+        load_node_prices()
+    except CoralError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+prices_option = click.option(
+    "--prices", type=click.Path(exists=True, dir_okay=False), default=None, expose_value=False,
+    callback=_use_prices,
+    help="Price CSV (region,node,instance_type,usd_per_hour[,spot_usd_per_hour]) to plan and deploy with instead "
+         "of the bundled SkyPilot rows (default: $CORAL_PRICES, else $CORAL_DATA_DIR/prices).")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from coral_dagster.catalog.frames import CATALOG_FRAMES
-from coral_dagster.cli._out import db_option, emit, emit_json, json_option
+from coral_dagster.cli._out import db_option, emit, emit_json, json_option, prices_option
 
 
 @click.group()
@@ -14,6 +14,7 @@ def cli() -> None:
 
 
 def _show(name: str, doc: str) -> click.Command:
+    @prices_option
     @json_option
     def show(as_json: bool) -> None:
         emit(CATALOG_FRAMES[name](), as_json, title=name)
@@ -26,13 +27,15 @@ for _name, _doc in [
     ("gpus", "GPU types: memory, HBM bandwidth, dense bf16 TFLOP/s, intra-node link and NIC bandwidth."),
     ("nodes", "Node configurations sold somewhere, with memory, network and price range."),
     ("models", "Models: architecture, parameter count and derived weight/KV/activation sizes."),
-    ("prices", "On-demand and spot $/node-hour per region and node configuration (SkyPilot catalog snapshot)."),
+    ("prices", "On-demand and spot $/node-hour per region and node configuration (SkyPilot catalog snapshot, "
+               "or --prices FILE)."),
     ("scenarios", "Scenarios: models, SLOs, traces and request rates."),
 ]:
     cli.add_command(_show(_name, _doc))
 
 
 @cli.command("load")
+@prices_option
 @db_option
 @json_option
 def load(db_path: str | None, as_json: bool) -> None:

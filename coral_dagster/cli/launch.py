@@ -9,8 +9,7 @@ import click
 import pandas as pd
 
 from coral_dagster.allocation.types import METHODS
-from coral_dagster.cli._out import db_option, emit, emit_json, json_option
-from coral_dagster.errors import CoralError
+from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -22,11 +21,7 @@ def _load_plan(store, ref: str, scenario: str, method: str):
     """The plan to deploy: `latest` of the scenario and method, a stored plan id, or a plan file with a plan_id."""
     from coral_dagster.app.plans import resolve_plan
 
-    plan = resolve_plan(store, ref, scenario, method)
-    if not plan.plan_id:
-        raise CoralError(f"plan {ref} is not stored, so its clusters could not be named or its prices found.",
-                         "store it with `coral plan` and launch it by id or as `latest`.")
-    return plan
+    return resolve_plan(store, ref, scenario, method)
 
 
 def _actions(diff) -> pd.DataFrame:
@@ -53,13 +48,15 @@ def _actions(diff) -> pd.DataFrame:
               help="Write the task YAMLs and print the sky launch / sky down commands; launch nothing.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for the dry run's task YAMLs (default: out/deploy/<plan tag>).")
-@click.option("--drain-timeout", "drain_timeout_s", type=float, default=600.0, show_default=True,
+@click.option("--drain-timeout", "drain_timeout_s", type=NON_NEGATIVE, default=600.0, show_default=True,
               help="Seconds a removed instance may take to finish its in-flight requests before `sky down`.")
 @click.option("--retry-until-up", is_flag=True,
               help="Let SkyPilot keep retrying a node when its region has no capacity (default: fail and roll back).")
+@prices_option
 @json_option
 @db_option
-def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float, retry_until_up: bool,
+def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float,
+           retry_until_up: bool,
            as_json: bool, db_path: str | None) -> None:
     """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
 
@@ -80,14 +77,14 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     store = Store(db_path)
     plan = _load_plan(store, plan_ref, scenario, method)
     plan_id, label = plan.plan_id, plan_label(plan)
-    prices = snapshot_prices(store, plan)
+    prices, priced_from = snapshot_prices(store, plan)
     if dry_run:
         diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
         out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
         dry = write_dry_run(diff, out)
         actions = _actions(diff)
         if as_json:
-            emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True,
+            emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True, "priced_from": priced_from,
                        "plan_usd_per_hour": plan.cost_usd_per_hour,
                        "gpu_usd_per_hour": sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine"), "out": str(out),
                        "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
@@ -99,7 +96,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
         gpu_usd = sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine")
         others = sum(1 for n in diff.nodes_to_launch() if n.role != "engine")
         emit(actions, False, title=f"{label} (${plan.cost_usd_per_hour:,.2f}/h planned): launch "
-                                   f"${gpu_usd:,.2f}/h of GPU nodes from snapshot {plan.snapshot_id}"
+                                   f"${gpu_usd:,.2f}/h of GPU nodes priced from {priced_from}"
                                    + (f" and {others} CPU node(s)" if others else "")
                                    + f", remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
         click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
+from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
+                                   json_option, prices_option)
 
 from coral_dagster.allocation.types import METHODS
 MIXES = ("uniform", "large-heavy", "small-heavy")
@@ -42,10 +43,10 @@ def _print_plan(plan) -> None:
 
 
 @click.command("plan")
-@click.option("--scenario", default="core", show_default=True, help="Bundled scenario: core, extended or helix.")
+@click.option("--scenario", default="core", show_default=True, help=f"Scenario: {SCENARIO_HELP}.")
 @click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
               help="Coral's ILP, or a baseline on the same inputs (helix: single-model scenarios only).")
-@click.option("--availability-scale", type=float, default=1.0, show_default=True,
+@click.option("--availability-scale", type=NON_NEGATIVE, default=1.0, show_default=True,
               help="Multiply every region's node availability (below 1 to plan under scarcity).")
 @click.option("--demand-mix", type=click.Choice(MIXES), default="uniform", show_default=True,
               help="Move 80% of requests to the largest or smallest third of the models (total kept).")
@@ -54,9 +55,10 @@ def _print_plan(plan) -> None:
                    "launching beyond it pays the churn penalty.")
 @click.option("--scarcity", type=click.Choice(["none", "scale", "fair"]), default="none", show_default=True,
               help="When demand cannot be met: error (none), scale every model alike, or max-min fair share.")
-@click.option("--time-limit-s", type=float, default=30.0, show_default=True, help="Solver time limit.")
+@click.option("--time-limit-s", type=POSITIVE, default=30.0, show_default=True, help="Solver time limit.")
 @click.option("--store/--no-store", "save", default=True, show_default=True,
               help="Write the plan to the DuckDB file (tables plans, plan_instances).")
+@prices_option
 @db_option
 @json_option
 def plan(scenario: str, method: str, availability_scale: float, demand_mix: str, running_id: str | None,
@@ -100,13 +102,14 @@ def bench() -> None:
 
 
 @bench.command("allocation")
-@click.option("--scenarios", default="core,extended", show_default=True, help="Comma-separated scenarios.")
+@click.option("--scenarios", default="core,extended", show_default=True,
+              help=f"Comma-separated scenarios, each {SCENARIO_HELP}.")
 @click.option("--settings", default="default,imbalanced,scarcity,replan", show_default=True,
               help="Comma-separated: default, imbalanced, scarcity, replan.")
 @click.option("--helix/--no-helix", default=True, show_default=True, help="Also run Helix vs Coral on its cluster.")
 @click.option("--helix-slo-ms", default="20000,1000", show_default=True,
               help="prefill,decode SLO (ms) of the Helix comparison; `scenario` keeps the scenario's.")
-@click.option("--sim-duration-s", type=float, default=120.0, show_default=True,
+@click.option("--sim-duration-s", type=NON_NEGATIVE, default=120.0, show_default=True,
               help="Seconds of arrivals each plan is simulated for (simulated goodput); 0 skips it.")
 @click.option("--sim-trace", default="poisson", show_default=True,
               help="Arrivals of the simulation: poisson, gamma, scenario (each model's trace), azure-conv, azure-code.")
@@ -114,6 +117,7 @@ def bench() -> None:
               help="Also simulate every re-planning window.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the JSON document here, and its plot beside it (same name, .png).")
+@prices_option
 @db_option
 @json_option
 def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, sim_duration_s: float, sim_trace: str,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import click
 
-from coral_dagster.cli._out import db_option, emit, emit_json, emit_table, json_option
+from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit, emit_json, emit_table, json_option
 from coral_dagster.errors import CoralError
 
 _model = click.option("--model", required=True, help="Model alias or Hugging Face id (see `coral catalog models`).")
@@ -45,10 +45,10 @@ def cli() -> None:
 @_model
 @_node
 @_phase
-@click.option("--tokens", type=int, help="Prefill: prompt tokens in the batch.")
-@click.option("--seq-tokens", type=int, help="Prefill: tokens per prompt (default 1024).")
-@click.option("--batch", type=int, help="Decode: sequences in the batch.")
-@click.option("--context", "context_tokens", type=int, help="Decode: context tokens per sequence.")
+@click.option("--tokens", type=click.IntRange(min=1), help="Prefill: prompt tokens in the batch.")
+@click.option("--seq-tokens", type=click.IntRange(min=1), help="Prefill: tokens per prompt (default 1024).")
+@click.option("--batch", type=click.IntRange(min=1), help="Decode: sequences in the batch.")
+@click.option("--context", "context_tokens", type=click.IntRange(min=1), help="Decode: context tokens per sequence.")
 @json_option
 def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: int | None, batch: int | None,
             context_tokens: int | None, as_json: bool) -> None:
@@ -80,11 +80,11 @@ def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: i
 @_model
 @_node
 @_phase
-@click.option("--layers", type=int, required=True, help="Layers the node holds.")
-@click.option("--budget-ms", type=float, required=True, help="Per-stage latency budget (SLO / stages).")
-@click.option("--context", "context_tokens", type=int, default=1024, show_default=True,
+@click.option("--layers", type=click.IntRange(min=1), required=True, help="Layers the node holds.")
+@click.option("--budget-ms", type=POSITIVE, required=True, help="Per-stage latency budget (SLO / stages).")
+@click.option("--context", "context_tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Decode: context tokens per sequence.")
-@click.option("--send-gbps", type=float, default=None, help="Count the activation transfer at this rate.")
+@click.option("--send-gbps", type=POSITIVE, default=None, help="Count the activation transfer at this rate.")
 @json_option
 def throughput(model: str, node: str, phase: str, layers: int, budget_ms: float, context_tokens: int,
                send_gbps: float | None, as_json: bool) -> None:
@@ -129,12 +129,13 @@ def show(model: str, nodes: tuple[str, ...], phase: str | None, as_json: bool) -
 @cli.command()
 @_model
 @_node
-@click.option("--layers", type=int, default=2, show_default=True, help="Decoder layers to build and time.")
+@click.option("--layers", type=click.IntRange(min=1), default=2, show_default=True,
+              help="Decoder layers to build and time.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Local device to time on.")
 @click.option("--engine", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
               envvar="CORAL_ENGINE", help="torch layers built from the catalog, or vLLM itself (CUDA only).")
-@click.option("--hidden-scale", type=float, default=None,
+@click.option("--hidden-scale", type=POSITIVE, default=None,
               help="Shrink hidden/heads/MLP widths by this factor (default: 1 on CUDA, ~0.1 on CPU).")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None, help="Also write the table as CSV.")
 @click.option("--store", is_flag=True, help="Append the table to the DuckDB table `profiles_measured`.")
@@ -211,7 +212,7 @@ def aic_tables(as_json: bool) -> None:
 
 @cli.command()
 @click.option("--scenario", "scenarios", multiple=True, default=("core", "extended", "helix"), show_default=True,
-              help="Bundled scenario(s).")
+              help=f"Scenario(s), each {SCENARIO_HELP}.")
 @click.option("--store", is_flag=True, help="Also replace these scenarios' rows of the DuckDB table `profiles`.")
 @db_option
 @json_option

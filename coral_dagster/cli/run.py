@@ -6,12 +6,14 @@ import os
 
 import click
 
-from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
+from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table, json_option, prices_option
 
 
 @click.command()
-@click.option("--scenario", default="core", show_default=True, help="Bundled scenario to run (core, extended, helix).")
-@click.option("--simulate-s", "simulate_s", default=120.0, show_default=True, help="Seconds of traffic to simulate.")
+@click.option("--scenario", default="core", show_default=True, help=f"Scenario to run: {SCENARIO_HELP}.")
+@click.option("--simulate-s", "simulate_s", type=POSITIVE, default=120.0, show_default=True,
+              help="Seconds of traffic to simulate.")
+@prices_option
 @db_option
 @json_option
 def cli(scenario: str, simulate_s: float, db_path: str | None, as_json: bool) -> None:

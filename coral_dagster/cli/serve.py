@@ -12,6 +12,7 @@ from typing import Any
 
 import click
 
+from coral_dagster.cli._out import NON_NEGATIVE, POSITIVE, FiniteFloat
 from coral_dagster.errors import CoralError
 
 ENV = "CORAL_"
@@ -33,7 +34,7 @@ def _timing_options(f):
         ("--kv-timeout-s", "KV_TIMEOUT_S", d.kv_timeout_s, "Longest a decode node waits for a KV handoff."),
         ("--orphan-after-s", "ORPHAN_AFTER_S", d.orphan_after_s, "Exit when the upstream is silent this long."),
     ]):
-        f = _opt(name, env=env, type=float, default=default, show_default=True, help=text)(f)
+        f = _opt(name, env=env, type=POSITIVE, default=default, show_default=True, help=text)(f)
     return f
 
 
@@ -137,9 +138,9 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
       help="ZeroMQ endpoint the engine nodes connect to.")
 @_opt("--region", env="REGION", default="local", show_default=True,
       help="The instance's cloud region; the router keeps a request's prefill and decode in one region.")
-@_opt("--route-weight", env="ROUTE_WEIGHT", type=float, default=0.0, show_default=True,
+@_opt("--route-weight", env="ROUTE_WEIGHT", type=NON_NEGATIVE, default=0.0, show_default=True,
       help="The plan's routing weight of this instance (share of its model's demand); 0: weigh by --tokens-per-s.")
-@_opt("--tokens-per-s", env="TOKENS_PER_S", type=float, default=1.0, show_default=True,
+@_opt("--tokens-per-s", env="TOKENS_PER_S", type=POSITIVE, default=1.0, show_default=True,
       help="The template's throughput; the router's weight for this instance.")
 @_insecure
 @_timing_options
@@ -180,7 +181,8 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:*", show_default=True,
       help="ZeroMQ endpoint for activations and KV (port * = any free one).")
 @_opt("--advertise", env="ADVERTISE", default="", help="Address peers should use, if not the bound one.")
-@_opt("--share", env="SHARE", type=float, default=1.0, show_default=True, help="This node's share of its stage.")
+@_opt("--share", env="SHARE", type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
+      help="This node's share of its stage.")
 @_opt("--engine", "engine_kind", env="ENGINE", type=click.Choice(["torch", "vllm"]), default="torch",
       show_default=True, help="Engine behind the node.")
 @_opt("--split", env="SPLIT", default="", help="The instance's layer split (vLLM engine only).")
@@ -231,7 +233,7 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every process listens on.")
 @click.option("--curve", is_flag=True, help="Generate CURVE keys for this deployment and encrypt every socket.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
-@click.option("--ready-timeout-s", type=float, default=120.0, show_default=True, help="Start-up time limit.")
+@click.option("--ready-timeout-s", type=POSITIVE, default=120.0, show_default=True, help="Start-up time limit.")
 @_timing_options
 @_json
 def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: str | None, stage_nodes: str | None,

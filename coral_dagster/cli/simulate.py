@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from coral_dagster.allocation.types import METHODS
-from coral_dagster.cli._out import db_option, emit_json, emit_table, json_option
+from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table, json_option, prices_option
 from coral_dagster.errors import CoralError
 from coral_dagster.simulator.simulate import TRAFFIC
 
@@ -27,7 +27,8 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
 
 
 @click.command("simulate")
-@click.option("--scenario", default="core", show_default=True, help="Bundled scenario: models, SLOs, rates, links.")
+@click.option("--scenario", default="core", show_default=True,
+              help=f"Scenario giving models, SLOs, rates and links: {SCENARIO_HELP}.")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
               help="'latest' (the scenario's newest plan of --method), a stored plan id, or a plan JSON file as "
                    "`coral plan --json` prints it.")
@@ -37,14 +38,15 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
 @click.option("--trace", "traffic", type=click.Choice(TRAFFIC), default="scenario", show_default=True,
               help="Arrivals: each model's own trace replayed at its rate, one trace for all, or Poisson / Gamma "
                    "arrivals with trace lengths.")
-@click.option("--gamma-cv", type=float, default=2.0, show_default=True,
+@click.option("--gamma-cv", type=POSITIVE, default=2.0, show_default=True,
               help="Coefficient of variation of Gamma inter-arrival gaps (burstiness; 1 is Poisson).")
-@click.option("--duration-s", type=float, default=600.0, show_default=True, help="Seconds of arrivals.")
+@click.option("--duration-s", type=POSITIVE, default=600.0, show_default=True, help="Seconds of arrivals.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the arrival streams.")
-@click.option("--rate-scale", type=float, default=1.0, show_default=True,
+@click.option("--rate-scale", type=POSITIVE, default=1.0, show_default=True,
               help="Multiply every model's request rate (2 = twice the planned demand).")
 @click.option("--plots", "plots_dir", type=click.Path(file_okay=False), default=None,
               help="Write latency_cdf.png and goodput.png into this folder.")
+@prices_option
 @db_option
 @json_option
 def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, gamma_cv: float, duration_s: float,

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import click
 
-from coral_dagster.cli._out import db_option, emit, emit_json, emit_table, json_option
+from coral_dagster.catalog.scenarios import MAX_N_MAX, MAX_RHO
+from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit, emit_json, emit_table,
+                                   json_option)
 from coral_dagster.templates.types import PHASES
 
 
@@ -31,16 +33,17 @@ def cli() -> None:
 @click.option("--model", required=True, help="Model alias or Hugging Face id (see `coral catalog models`).")
 @click.option("--phase", type=click.Choice(PHASES), required=True, help="prefill, decode or aggregated.")
 @click.option("--nodes", required=True, help="Node multiset, e.g. 3xL40S:1,3xH100:2.")
-@click.option("--slo-ms", type=float, default=None,
+@click.option("--slo-ms", type=POSITIVE, default=None,
               help="Latency SLO in ms (prefill: TTFT; decode and aggregated: per output token). "
                    "Default: the scenario's.")
-@click.option("--prefill-slo-ms", type=float, default=None,
+@click.option("--prefill-slo-ms", type=POSITIVE, default=None,
               help="Aggregated only: the first-token bound (default: the scenario's prefill SLO).")
 @click.option("--method", type=click.Choice(["fast", "ilp"]), default="fast", show_default=True,
               help="fast: our exact method; ilp: the paper's ILP with HiGHS (slow, the reference).")
 @click.option("--scenario", default=None,
-              help="Scenario giving the trace, SLOs and network (default: the first bundled one with the model).")
-@click.option("--time-limit-s", type=float, default=60.0, show_default=True, help="ILP time limit per stage count.")
+              help=f"Scenario giving the trace, SLOs and network: {SCENARIO_HELP} (default: the first bundled one "
+                   "with the model).")
+@click.option("--time-limit-s", type=POSITIVE, default=60.0, show_default=True, help="ILP time limit per stage count.")
 @click.option("--explain", is_flag=True, help="Also print the T̂ table optimized over, to re-check the optimum.")
 @json_option
 def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_ms: float | None, method: str,
@@ -80,55 +83,65 @@ def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_m
 
 
 @cli.command()
-@click.option("--scenario", required=True, help="Bundled scenario name (core, extended, helix) or YAML path.")
+@click.option("--scenario", required=True, help=f"Scenario: {SCENARIO_HELP}.")
 @click.option("--models", default=None, help="Comma-separated model aliases (default: all of the scenario's).")
-@click.option("--processes", type=int, default=None, help="Worker processes (default: min(2, CPUs)).")
+@click.option("--processes", type=click.IntRange(min=1), default=None, help="Worker processes (default: min(2, CPUs)).")
 @click.option("--no-prune", is_flag=True, help="Keep templates another one dominates.")
-@click.option("--n-max", type=int, default=None, help="Most nodes per template (default: the scenario's, 6).")
-@click.option("--rho", type=float, default=None,
+@click.option("--n-max", type=click.IntRange(1, MAX_N_MAX), default=None,
+              help="Most nodes per template (default: the scenario's, 6).")
+@click.option("--rho", type=FiniteFloat(1.0, MAX_RHO), default=None,
               help="Most GPU memory per template as a multiple of the weights (default: the scenario's, 12).")
 @db_option
 @json_option
 def build(scenario: str, models: str | None, processes: int | None, no_prune: bool, n_max: int | None,
           rho: float | None, db_path: str | None, as_json: bool) -> None:
-    """Build a scenario's template library and store it in DuckDB (replacing that scenario's rows)."""
+    """Build a scenario's template library and store it in DuckDB under its library key (the digest of what the
+    templates depend on: another scenario, or the same one with other --n-max / --rho, keeps its own library)."""
+    import dataclasses
+
+    from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.store import Store
     from coral_dagster.templates.library import build_library_with_stats, store_library
 
+    scn = load_scenario(scenario)
+    scn = dataclasses.replace(scn, n_max=scn.n_max if n_max is None else n_max, rho=scn.rho if rho is None else rho)
     templates, stats = build_library_with_stats(
-        scenario, processes=processes, progress=not as_json, prune=not no_prune, n_max=n_max, rho=rho,
+        scn, processes=processes, progress=not as_json, prune=not no_prune,
         models=[m.strip() for m in models.split(",")] if models else None)
     store = Store(db_path)
-    rows = store_library(store, templates, stats.scenario)
+    rows = store_library(store, templates, scn)
     per_key = stats.as_frame()
     if as_json:
-        emit_json({"scenario": stats.scenario, "templates": rows, "db": str(store.path),
+        emit_json({"scenario": stats.scenario, "library_key": scn.library_key, "templates": rows, "db": str(store.path),
                    "tables_s": stats.tables_s, "optimize_s": stats.optimize_s, "total_s": stats.total_s,
                    "processes": stats.processes, "per_model_phase": per_key.to_dict(orient="records")})
         return
-    emit_table(per_key, f"templates of {stats.scenario}")
+    emit_table(per_key, f"templates of {stats.scenario} (library {scn.library_key})")
     click.echo(f"{rows} templates stored in {store.path} in {stats.total_s:.1f} s on {stats.processes} process(es)")
 
 
 @cli.command(name="list")
-@click.option("--scenario", required=True, help="Scenario whose stored library to read.")
+@click.option("--scenario", required=True, help=f"Scenario whose stored library to read: {SCENARIO_HELP}.")
 @click.option("--model", default=None, help="Only this model.")
 @click.option("--phase", type=click.Choice(PHASES), default=None, help="Only this phase.")
-@click.option("--limit", type=int, default=20, show_default=True, help="Rows to print, highest throughput first.")
+@click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
+              help="Rows to print, highest throughput first.")
 @db_option
 @json_option
 def list_(scenario: str, model: str | None, phase: str | None, limit: int, db_path: str | None,
           as_json: bool) -> None:
     """Stored templates of a scenario, highest throughput first."""
+    from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.errors import CoralError
     from coral_dagster.store import Store
     from coral_dagster.templates.library import TEMPLATES_TABLE
 
-    store = Store(db_path)
-    if TEMPLATES_TABLE not in store.tables():
-        raise CoralError(f"no template library in {store.path}.", f"run `coral templates build --scenario {scenario}`.")
+    store, key = Store(db_path), load_scenario(scenario).library_key
+    if "library_key" not in store.columns(TEMPLATES_TABLE):
+        raise CoralError(f"no template library of the current format in {store.path}.",
+                         f"run `coral templates build --scenario {scenario}`.")
     sql = (f"SELECT model, phase, slo_ms, nodes, n_stages, tokens_per_s, bound, pp_partition FROM {TEMPLATES_TABLE} "
-           "WHERE scenario = ? AND (? IS NULL OR model = ?) AND (? IS NULL OR phase = ?) "
+           "WHERE library_key = ? AND (? IS NULL OR model = ?) AND (? IS NULL OR phase = ?) "
            "ORDER BY tokens_per_s DESC, nodes LIMIT ?")
-    df = store.query(sql, [scenario, model, model, phase, phase, limit])
+    df = store.query(sql, [key, model, model, phase, phase, limit])
     emit(df, as_json, f"templates of {scenario}")

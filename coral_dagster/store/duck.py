@@ -1,7 +1,9 @@
-"""Transactional access to Coral's DuckDB file, with bounded retries when another process holds it."""
+"""Transactional access to Coral's DuckDB file: bounded retries when another process holds it, older tables
+migrated by adding the columns a write brings, and broken files reported as sentences naming the file and the fix."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -12,7 +14,7 @@ from typing import Iterator
 import duckdb
 import pandas as pd
 
-from coral_dagster.errors import CoralError, StoreLockedError
+from coral_dagster.errors import CoralError, StoreFileError, StoreLockedError
 from coral_dagster.paths import default_db_path
 
 log = logging.getLogger(__name__)
@@ -32,15 +34,19 @@ class Store:
         if read_only and not self.path.exists():
             raise CoralError(f"DuckDB file {self.path} does not exist yet.",
                              "run `coral catalog load` (or the main job) first, or set CORAL_DB.")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreFileError(f"the folder of DuckDB file {self.path} cannot be created ({exc.strerror}).",
+                                 "point CORAL_DB (or --db) at a file in a folder you can write.") from None
         deadline, delay = time.monotonic() + self.lock_timeout_s, 0.05
         while True:
             try:
                 con = duckdb.connect(str(self.path), read_only=read_only)
                 break
-            except duckdb.IOException as exc:
-                if "lock" not in str(exc).lower():
-                    raise
+            except duckdb.Error as exc:
+                if not (isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()):
+                    raise explain(exc, self.path) from None
                 if time.monotonic() >= deadline:
                     raise StoreLockedError(
                         f"DuckDB file {self.path} is locked by another process ({exc}).",
@@ -51,6 +57,8 @@ class Store:
                 delay = min(delay * 2, 1.0)
         try:
             yield con
+        except duckdb.Error as exc:
+            raise explain(exc, self.path) from exc
         finally:
             con.close()
 
@@ -62,7 +70,8 @@ class Store:
             try:
                 yield con
             except BaseException:
-                con.rollback()
+                with contextlib.suppress(duckdb.Error):  # a broken file may refuse even this; the first error counts
+                    con.rollback()
                 raise
             con.commit()
 
@@ -83,6 +92,49 @@ class Store:
             return []
         return sorted(self.query("SELECT table_name FROM information_schema.tables")["table_name"])
 
+    def columns(self, table: str) -> list[str]:
+        """Column names of `table`, in order; empty when the file or the table does not exist."""
+        if not self.path.exists():
+            return []
+        return self.query("SELECT column_name FROM information_schema.columns WHERE table_name = ? "
+                          "ORDER BY ordinal_position", [table])["column_name"].tolist()
+
+
+_BROKEN_FIX = ("move it aside (`mv {path} {path}.broken`) and run `coral run` (or the command again) to start a "
+               "fresh file, or point CORAL_DB (or --db) at another file; restore it from a backup if its plan "
+               "history matters.")
+
+
+def explain(exc: duckdb.Error, path: Path) -> CoralError:
+    """A DuckDB error as a sentence naming the file and the fix (errors of no known kind keep DuckDB's text)."""
+    text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    low = text.lower()
+    if "not a valid duckdb database file" in low:
+        return StoreFileError(f"{path} is not a DuckDB database file (empty, truncated at its header, or another "
+                              "kind of file).", _BROKEN_FIX.format(path=path))
+    if "could not read enough bytes" in low:
+        return StoreFileError(f"DuckDB file {path} is truncated ({text}).", _BROKEN_FIX.format(path=path))
+    if "corrupt database file" in low or "checksum" in low:
+        return StoreFileError(f"DuckDB file {path} is corrupted ({text}).", _BROKEN_FIX.format(path=path))
+    if "permission denied" in low or "read-only file system" in low or "read-only mode" in low:
+        return StoreFileError(f"DuckDB file {path} cannot be written ({text}).",
+                              f"make it writable (`chmod u+w {path}` and its folder), or point CORAL_DB (or --db) "
+                              "at a file you can write.")
+    if "is a directory" in low:
+        return StoreFileError(f"{path} is a folder, not a DuckDB file.", "point CORAL_DB (or --db) at a file path.")
+    if isinstance(exc, duckdb.SerializationException) or "version" in low and ("database file" in low
+                                                                                or "storage" in low):
+        return StoreFileError(f"DuckDB file {path} was written by another DuckDB version ({text}).",
+                              f"open it with that version and `EXPORT DATABASE`, then `IMPORT DATABASE` with "
+                              f"duckdb {duckdb.__version__}; or {_BROKEN_FIX.format(path=path)}")
+    if isinstance(exc, duckdb.BinderException) and ("column" in low and ("not found" in low or "does not have" in low)):
+        return StoreFileError(f"DuckDB file {path} holds a table of an older schema ({text}).",
+                              "Coral adds missing columns when it writes a table: rerun the command that writes it "
+                              f"(`coral run` writes all), or {_BROKEN_FIX.format(path=path)}")
+    return StoreFileError(f"DuckDB file {path} refused a statement ({text}).",
+                          "if the file was changed by hand or by another program, "
+                          f"{_BROKEN_FIX.format(path=path)} Otherwise report this message as a bug.")
+
 
 def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mode: str = "append",
                 before_insert: tuple[str, list] | None = None) -> None:
@@ -94,15 +146,37 @@ def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mo
         raise CoralError(f"write mode {mode!r} is unknown.", "use 'append' or 'replace'.")
     con.register("_coral_frame", df)
     try:
+        columns = _frame_columns(con)
+        ddl = ", ".join(f'"{name}" {sql_type}' for name, sql_type in columns)
         if mode == "replace":
-            con.execute(f"CREATE OR REPLACE TABLE {table} AS SELECT * FROM _coral_frame")
+            con.execute(f"CREATE OR REPLACE TABLE {table} ({ddl})")
         else:
-            con.execute(f"CREATE TABLE IF NOT EXISTS {table} AS SELECT * FROM _coral_frame LIMIT 0")
+            con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({ddl})")
+            _add_missing_columns(con, table, columns)
             if before_insert:
                 con.execute(*before_insert)
-            con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _coral_frame")
+        con.execute(f"INSERT INTO {table} BY NAME SELECT * FROM _coral_frame")
     finally:
-        con.unregister("_coral_frame")
+        # After a failed statement the transaction is aborted and DuckDB refuses even this; the first error counts.
+        with contextlib.suppress(duckdb.TransactionException):
+            con.unregister("_coral_frame")
+
+
+def _frame_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
+    """(name, SQL type) of `_coral_frame`; a column with no value to type it (an empty frame's text) is VARCHAR,
+    so a table first written empty still takes rows later."""
+    return [(name, "VARCHAR" if sql_type == "NULL" else sql_type)
+            for name, sql_type, *_ in con.execute("DESCRIBE SELECT * FROM _coral_frame").fetchall()]
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection, table: str, columns: list[tuple[str, str]]) -> None:
+    """Migrate a table of an older schema: add (as NULL in old rows) the columns of the frame it lacks."""
+    have = {r[0] for r in con.execute("SELECT column_name FROM information_schema.columns WHERE table_name = ?",
+                                      [table]).fetchall()}
+    for name, sql_type in columns:
+        if name not in have:
+            log.info("migrating %s: adding column %s %s", table, name, sql_type)
+            con.execute(f'ALTER TABLE {table} ADD COLUMN "{name}" {sql_type}')
 
 
 def replace_rows(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, key: dict[str, object]) -> None:

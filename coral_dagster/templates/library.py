@@ -34,8 +34,8 @@ DOMINANCE_REL_TOL = 1e-9
 TEMPLATES_TABLE = "templates"
 TEMPLATE_NODES_TABLE = "template_nodes"
 FRAME_COLUMNS = [
-    "template_id", "scenario", "model", "phase", "slo_ms", "nodes", "n_nodes", "n_stages", "tokens_per_s",
-    "bound", "pp_partition", "stages_json", "counts_json",
+    "template_id", "scenario", "library_key", "model", "phase", "slo_ms", "nodes", "n_nodes", "n_stages",
+    "tokens_per_s", "bound", "pp_partition", "stages_json", "counts_json",
 ]
 
 
@@ -211,16 +211,25 @@ def _stages_json(t: Template) -> str:
                        for s in t.stages])
 
 
-def templates_to_frame(templates: Iterable[Template], scenario: str) -> pd.DataFrame:
-    """One row per template (`FRAME_COLUMNS`); `counts_json` maps configuration to node count."""
+def templates_to_frame(templates: Iterable[Template], scenario) -> pd.DataFrame:
+    """One row per template (`FRAME_COLUMNS`) of a scenario (a `Scenario` or a bundled name), keyed by its
+    `library_key`; `counts_json` maps configuration to node count."""
+    scn = _scenario(scenario)
     rows = [{
-        "template_id": t.template_id, "scenario": scenario, "model": t.model, "phase": t.phase,
-        "slo_ms": float(t.slo_ms), "nodes": str(t.nodes), "n_nodes": t.nodes.size, "n_stages": len(t.stages),
-        "tokens_per_s": float(t.tokens_per_s), "bound": t.bound, "pp_partition": t.pp_partition,
-        "stages_json": _stages_json(t), "counts_json": json.dumps({str(n): k for n, k in t.nodes.counts}),
+        "template_id": t.template_id, "scenario": scn.name, "library_key": scn.library_key, "model": t.model,
+        "phase": t.phase, "slo_ms": float(t.slo_ms), "nodes": str(t.nodes), "n_nodes": t.nodes.size,
+        "n_stages": len(t.stages), "tokens_per_s": float(t.tokens_per_s), "bound": t.bound,
+        "pp_partition": t.pp_partition, "stages_json": _stages_json(t),
+        "counts_json": json.dumps({str(n): k for n, k in t.nodes.counts}),
     } for t in templates]
     return pd.DataFrame(rows, columns=FRAME_COLUMNS).astype(
         {"slo_ms": "float64", "n_nodes": "int64", "n_stages": "int64", "tokens_per_s": "float64"})
+
+
+def _scenario(scenario):
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    return load_scenario(scenario) if isinstance(scenario, str) else scenario
 
 
 def templates_from_frame(df: pd.DataFrame) -> list[Template]:
@@ -244,32 +253,33 @@ def templates_from_frame(df: pd.DataFrame) -> list[Template]:
 
 
 def node_count_frame(templates_frame: pd.DataFrame) -> pd.DataFrame:
-    """`(scenario, template_id, node, count)` rows: how many nodes of each configuration a template uses."""
-    rows = [{"scenario": r.scenario, "template_id": r.template_id, "node": n, "count": int(k)}
+    """`(scenario, library_key, template_id, node, count)` rows: how many nodes of each configuration a template
+    uses."""
+    cols = ["scenario", "library_key", "template_id", "node", "count"]
+    rows = [{"scenario": r.scenario, "library_key": r.library_key, "template_id": r.template_id, "node": n,
+             "count": int(k)}
             for r in templates_frame.itertuples(index=False) for n, k in json.loads(r.counts_json).items()]
-    return pd.DataFrame(rows, columns=["scenario", "template_id", "node", "count"]).astype({"count": "int64"})
+    return pd.DataFrame(rows, columns=cols).astype({"count": "int64"})
 
 
 def store_library(store, templates: Iterable[Template], scenario) -> int:
-    """Replace the scenario's rows of the `templates` and `template_nodes` tables in one transaction."""
-    from coral_dagster.store.duck import write_frame
+    """Replace the library stored under the scenario's `library_key` (rows of `templates` and `template_nodes`) in
+    one transaction; libraries of other keys, a bundled scenario's among them, stay as they are."""
+    from coral_dagster.store.duck import replace_rows
 
-    name = scenario if isinstance(scenario, str) else scenario.name
-    frame = templates_to_frame(templates, name)
+    scn = _scenario(scenario)
+    frame = templates_to_frame(templates, scn)
     with store.transaction() as con:
-        existing = set(con.execute("SELECT table_name FROM information_schema.tables").df()["table_name"])
-        for table in (TEMPLATES_TABLE, TEMPLATE_NODES_TABLE):
-            if table in existing:
-                con.execute(f"DELETE FROM {table} WHERE scenario = ?", [name])
-        write_frame(con, TEMPLATES_TABLE, frame, "append")
-        write_frame(con, TEMPLATE_NODES_TABLE, node_count_frame(frame), "append")
+        replace_rows(con, TEMPLATES_TABLE, frame, {"library_key": scn.library_key})
+        replace_rows(con, TEMPLATE_NODES_TABLE, node_count_frame(frame), {"library_key": scn.library_key})
     return len(frame)
 
 
 def load_library(store, scenario) -> list[Template]:
-    """The stored templates of a scenario; empty when none were stored."""
-    name = scenario if isinstance(scenario, str) else scenario.name
-    if TEMPLATES_TABLE not in store.tables():
+    """The templates stored under the scenario's `library_key`; empty when none were (a library of an older
+    schema has no key, so it is rebuilt rather than trusted)."""
+    if "library_key" not in store.columns(TEMPLATES_TABLE):
         return []
-    df = store.query(f"SELECT * FROM {TEMPLATES_TABLE} WHERE scenario = ? ORDER BY template_id", [name])
+    df = store.query(f"SELECT * FROM {TEMPLATES_TABLE} WHERE library_key = ? ORDER BY template_id",
+                     [_scenario(scenario).library_key])
     return templates_from_frame(df)
