@@ -72,11 +72,12 @@ def test_router_shares_requests_by_template_throughput():
     with ExitStack() as stack:
         ctx = zmq.Context()
         stack.callback(ctx.term)
-        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), ctx=ctx)
+        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), ctx=ctx,
+                            insecure=True)
         _run(stack, coord.run)
         _run(stack, _fake_scheduler(coord.address, "fast", 3.0))
         _run(stack, _fake_scheduler(coord.address, "slow", 1.0))
-        c = Client(coord.address, ctx=ctx, timeout_s=10)
+        c = Client(coord.address, ctx=ctx, timeout_s=10, insecure=True)
         stack.callback(c.close)
         c.wait_ready(2, timeout_s=10)
         done = c.complete("m", ["p"] * 40, max_tokens=1)
@@ -95,7 +96,7 @@ def test_scheduler_spreads_a_stage_over_its_nodes_by_share():
         stack.callback(coord.close)
         sched = Scheduler(SchedulerConfig("i", "tiny-llama", "aggregated", (12,), 12,
                                           coord.getsockopt_string(zmq.LAST_ENDPOINT), listen="tcp://127.0.0.1:*",
-                                          timing=TIMING))
+                                          timing=TIMING), insecure=True)
         _run(stack, sched.run)
         nodes = {}
         for name, share in (("big", 2.0), ("small", 1.0)):
@@ -159,7 +160,7 @@ def test_decode_node_parks_steps_until_kv_arrives_and_fails_clearly_without_it()
         stack.callback(sched.close)
         settings = NodeSettings("d1", "tiny-llama", 6, 12, 12, 1, sched.getsockopt_string(zmq.LAST_ENDPOINT),
                                 timing=TIMING)
-        node = EngineNode(settings, torch_engine.TorchEngine(cfg, 6, 12), ctx=zmq.Context())
+        node = EngineNode(settings, torch_engine.TorchEngine(cfg, 6, 12), ctx=zmq.Context(), insecure=True)
         _run(stack, node.run)
         push = ctx.socket(zmq.PUSH)
         push.linger = 0
@@ -194,15 +195,15 @@ def test_front_door_requires_the_api_key_when_one_is_set():
         ctx = zmq.Context()
         stack.callback(ctx.term)
         coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=port, models=("m",),
-                                              api_key="s3cret", timing=TIMING), ctx=ctx)
+                                              api_key="s3cret", timing=TIMING), ctx=ctx, insecure=True)
         _run(stack, coord.run)
-        url = f"http://127.0.0.1:{port}/v1/models"
+        url = f"http://127.0.0.1:{port}/admin/instances"
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
             assert err.value.code == 401
         ok = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"}),
                                     timeout=10)
-        assert [m["id"] for m in json.load(ok)["data"]] == ["m"]
+        assert json.load(ok)["models"] == ["m"]
     with pytest.raises(CoralError, match="API key"):
         Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_host="0.0.0.0", http_port=free_port()))

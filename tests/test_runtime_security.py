@@ -91,11 +91,13 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, 
     contexts = [zmq.Context() for _ in range(4)]
     for ctx in contexts:
         stack.callback(ctx.term)
+    insecure = keys is None
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
-                        ctx=contexts[0])
+                        insecure, ctx=contexts[0])
     _thread(stack, coord.run)
     sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, coord.address,
-                                      listen="tcp://127.0.0.1:*", timing=TIMING), keys, ctx=contexts[1])
+                                      listen="tcp://127.0.0.1:*", timing=TIMING), keys, insecure,
+                      ctx=contexts[1])
     _thread(stack, sched.run)
     port1 = free_port()
     relay = Relay(port1)
@@ -106,7 +108,8 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, 
                                                     f"tcp://127.0.0.1:{relay.port}")):
         settings = NodeSettings(f"n{stage}", MODEL, start, end, CFG.n_layers, stage, sched.address, listen=listen,
                                 advertise=advertise, timing=TIMING)
-        node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, ctx=contexts[2 + stage])
+        node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, insecure,
+                          ctx=contexts[2 + stage])
         _thread(stack, node.run)
         nodes.append(node)
     return coord.address, nodes[1], relay
@@ -136,13 +139,13 @@ class _Stranger:
         self.public, self.server = public, server_public
 
 
-@pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain-control"])
+@pytest.mark.parametrize("curve", [True, False], ids=["curve", "insecure-control"])
 def test_without_the_key_no_work_is_accepted_and_activations_are_unreadable(curve):
     keys = CurveKeys.generate() if curve else None
     expected = generate(MODEL, PROMPT, 6, ignore_eos=True)
     with ExitStack() as stack:
         address, node1, relay = _deploy(stack, keys)
-        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0, insecure=not curve)
         stack.callback(owner.close)
         owner.wait_ready(1, timeout_s=20.0)
         done = owner.complete(MODEL, [PROMPT], max_tokens=6, ignore_eos=True)[0]
