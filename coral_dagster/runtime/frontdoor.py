@@ -27,11 +27,12 @@ from coral_dagster.runtime.limits import RequestError, is_int, max_tokens_of
 log = logging.getLogger(__name__)
 
 MAX_PROMPTS = 64
+MAX_HEADER_BYTES = 16 << 10
 
 # OpenAI's error `type` for each status the front door answers with.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable"}
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
@@ -205,6 +206,8 @@ class _App:
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send, link: _Link) -> None:
         method, path = scope["method"], scope["path"]
+        if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
+            raise ApiError(431, f"the headers exceed {MAX_HEADER_BYTES} bytes", ((b"connection", b"close"),))
         if path != "/health":
             self._authorize(scope, path)
         routes = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/admin/instances"),
@@ -376,7 +379,8 @@ class FrontDoor:
         protocol = type("Protocol", (_Protocol,), {"read_timeout_s": read_timeout_s})
         app = _App(ctx, front, timeout_s, api_key, read_timeout_s, max_body_bytes)
         config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
-                                timeout_keep_alive=5, timeout_graceful_shutdown=1)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=1,
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="coral-http", daemon=True)
 
