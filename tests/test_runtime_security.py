@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from contextlib import ExitStack
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -186,3 +188,91 @@ def test_without_the_key_no_work_is_accepted_and_activations_are_unreadable(curv
         while time.monotonic() < deadline and node1.steps_run == before:
             time.sleep(0.05)
         assert (node1.steps_run > before) is (not curve)
+
+
+def test_every_role_refuses_plain_tcp_unless_told_the_network_is_trusted():
+    ctx = zmq.Context()
+    try:
+        for make in (lambda: Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None), ctx=ctx),
+                     lambda: Client("tcp://127.0.0.1:1", ctx=ctx),
+                     lambda: Scheduler(SchedulerConfig("i", MODEL, "aggregated", (12,), 12, "tcp://127.0.0.1:1",
+                                                       listen="tcp://127.0.0.1:*"), ctx=ctx)):
+            with pytest.raises(CoralError, match="CORAL_CURVE_SECRET_KEY.*--insecure"):
+                make()
+    finally:
+        ctx.term()
+
+
+def _insider(keys: CurveKeys) -> SimpleNamespace:
+    """The deployment's own keypair, shaped like `_Stranger`: what any process of the deployment holds."""
+    return SimpleNamespace(secret=keys.secret, public=keys.public, server=keys.public)
+
+
+def _peer(ctx: zmq.Context, address: str, identity: bytes, keys=None) -> zmq.Socket:
+    """A DEALER with a chosen routing id, CURVE-configured with `keys` (deployment or stranger) or plain."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.IDENTITY, identity)
+    if keys is not None:
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = keys.secret, keys.public, keys.server
+    sock.connect(address)
+    return sock
+
+
+def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_connection():
+    keys = CurveKeys.generate()
+    insider = _insider(keys)
+    with ExitStack() as stack:
+        address, _, _ = _deploy(stack, keys)
+        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+        stack.callback(owner.close)
+        owner.wait_ready(1, timeout_s=20.0)
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        # Outsiders (no CURVE, or a key the deployment never issued) take the scheduler's routing id; an insider
+        # holding the deployment key tries from a second connection under another id.
+        peers = [(_peer(ctx, address, b"scheduler:i0"), False), (_peer(ctx, address, b"scheduler:i0",
+                                                                       _Stranger(keys.public)), False),
+                 (_peer(ctx, address, b"scheduler:evil", insider), True)]
+        for sock, _ in peers:
+            stack.callback(sock.close)
+            for header in ({"kind": "register", "instance": "i0", "model": "evil", "phase": "aggregated",
+                            "tokens_per_s": 1e9}, {"kind": "register", "instance": "new", "model": "evil",
+                                                   "phase": "aggregated", "tokens_per_s": 1e9},
+                           {"kind": "heartbeat", "instance": "i0", "healthy": False},
+                           {"kind": "health", "instance": "i0", "healthy": False, "problem": "forged"},
+                           {"kind": "left", "instance": "i0"}):
+                wire.send(sock, header, block=True)
+        replies = {}
+        for sock, _ in peers:
+            replies[sock] = [h["kind"] for _, h, _ in wire.drain(sock)] if sock.poll(2000) else []
+        status = owner.status()
+        live = {i["instance"]: (i["model"], i["state"]) for i in status["instances"]}
+        # Only the insider, holding the deployment's key, may add an instance of its own; none may touch i0.
+        assert live.pop("i0") == (MODEL, "ready") and list(live) == ["new"]
+        assert status["departed"] == []
+        assert replies[peers[0][0]] == [] and replies[peers[1][0]] == []
+        assert "refused" in replies[peers[2][0]] and "reregister" in replies[peers[2][0]]
+        done = owner.complete(MODEL, [PROMPT], max_tokens=3, ignore_eos=True)[0]
+        assert done["kind"] == "done" and done["instances"] == ["i0"]
+
+
+def test_oversized_messages_are_dropped_before_they_are_read():
+    keys = CurveKeys.generate()
+    with ExitStack() as stack:
+        address, _, _ = _deploy(stack, keys)
+        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+        stack.callback(owner.close)
+        owner.wait_ready(1, timeout_s=20.0)
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        big = _peer(ctx, address, b"big", _insider(keys))
+        stack.callback(big.close)
+        big.send_multipart([json.dumps({"kind": "status", "tag": "x", "pad": "a" * (wire.MAX_CONTROL_BYTES + 1)})
+                            .encode()])
+        assert not big.poll(1000), "an oversized message was answered"
+        with pytest.raises(wire.WireError, match="frames"):
+            wire.unpack([b'{"kind": "x"}'] * (wire.MAX_FRAMES + 1))
+        assert owner.status()["instances"][0]["state"] == "ready"
+        done = owner.complete(MODEL, [PROMPT], max_tokens=2, ignore_eos=True)[0]
+        assert done["kind"] == "done"
