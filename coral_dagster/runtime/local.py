@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import multiprocessing
 import os
 import secrets
+import select
 import signal
 import socket
 import sys
@@ -25,7 +25,6 @@ from coral_dagster.runtime.security import CurveKeys
 
 log = logging.getLogger(__name__)
 ENV_API_KEY = "CORAL_API_KEY"
-PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -86,22 +85,27 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def die_with_parent() -> None:
-    """Have Linux SIGKILL this process when its parent exits, so no child outlives a killed `serve local`."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:
-        # The parent died before the request took effect.
+def die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` exits, however it exits (a pidfd watched by a thread).
+
+    `serve local`'s children are forked by multiprocessing's fork server, which does not pass its parent's death
+    on; a parent-death signal would fire only when the fork server goes, so each child watches `serve local` itself.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
         os._exit(1)
 
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
 
-def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+    threading.Thread(target=watch, name="coral-die-with-parent", daemon=True).start()
+
+
+def _child(argv: list[str], log_path: str, env: dict[str, str], parent: int) -> None:
     """Run `coral serve <argv>` in this process, logging to `log_path` (the body of every local process)."""
-    # The parent is multiprocessing's fork server, which itself exits when `serve local` does.
-    die_with_parent()
+    die_with(parent)
     # Appended to, so that a restarted process's log follows the one it replaces.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -170,7 +174,7 @@ class LocalDeployment:
         log_path = self.log_dir / f"{name}.log"
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
-        proc = _process_context().Process(target=_child, args=(argv, str(log_path), env), name=name, daemon=True)
+        proc = _process_context().Process(target=_child, args=(argv, str(log_path), env, os.getpid()), name=name, daemon=True)
         proc.start()
         self.procs[name] = proc
         self._argv[name] = argv
@@ -229,7 +233,8 @@ class LocalDeployment:
                     n = self.restarts.get(name, 0)
                     due[name] = now + min(self.max_backoff_s, self.backoff_s * 2 ** n)
                     log.warning("%s exited with %s; restarting in %.1f s", name, proc.exitcode, due[name] - now)
-                elif now >= due.pop(name):
+                elif now >= due[name]:
+                    del due[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
                     self._spawn(name, self._argv[name])
 
