@@ -12,66 +12,18 @@ from contextlib import ExitStack
 import pytest
 import zmq
 
-from coral_dagster.runtime import wire
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
 from coral_dagster.runtime.coordinator import Coordinator
 from coral_dagster.runtime.frontdoor import error_event
 from coral_dagster.runtime.local import free_port
 from coral_dagster.runtime.security import CurveKeys
+from runtime_fakes import FakeScheduler, background
 
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=10.0)
 KEY = "k3y"
 READ_TIMEOUT_S = 0.5
 MAX_BODY = 1 << 16
 
-
-class FakeScheduler:
-    """A registered instance that answers every request with the token 'A' and can be made unhealthy."""
-
-    def __init__(self, address: str, keys: CurveKeys, name: str = "i0") -> None:
-        self.address, self.keys, self.name = address, keys, name
-        self.healthy = threading.Event()
-        self.healthy.set()
-
-    def run(self, stop: threading.Event) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.curve_secretkey, sock.curve_publickey = self.keys.secret, self.keys.public
-        sock.curve_serverkey = self.keys.public
-        sock.setsockopt(zmq.IDENTITY, f"scheduler:{self.name}".encode())
-        sock.connect(self.address)
-        wire.send(sock, {"kind": "register", "instance": self.name, "model": "m", "phase": "aggregated",
-                         "tokens_per_s": 1.0, "limits": {"vocab": 300, "max_context": 64}})
-        beat, was = 0.0, True
-        while not stop.is_set():
-            now = time.monotonic()
-            healthy = self.healthy.is_set()
-            if healthy != was:
-                was = healthy
-                wire.send(sock, {"kind": "health", "instance": self.name, "healthy": healthy, "problem": "test"})
-            if now - beat > TIMING.heartbeat_s:
-                beat = now
-                wire.send(sock, {"kind": "heartbeat", "instance": self.name, "healthy": healthy})
-            if sock.poll(10):
-                for _, h, _ in wire.drain(sock):
-                    if h["kind"] == "generate":
-                        wire.send(sock, {"kind": "token", "instance": self.name, "rid": h["rid"], "token": 65})
-                        wire.send(sock, {"kind": "done", "instance": self.name, "rid": h["rid"],
-                                         "finish_reason": "length"})
-        sock.close()
-        ctx.term()
-
-
-def _thread(stack: ExitStack, target) -> None:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop,), daemon=True)
-    t.start()
-
-    def end() -> None:
-        stop.set()
-        t.join(timeout=10)
-    stack.callback(end)
 
 
 @pytest.fixture
@@ -85,9 +37,9 @@ def door():
         coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=port, api_key=KEY, timing=TIMING,
                                               http_read_timeout_s=READ_TIMEOUT_S, http_max_body_bytes=MAX_BODY),
                             keys, ctx=ctx)
-        _thread(stack, coord.run)
-        sched = FakeScheduler(coord.address, keys)
-        yield port, sched, lambda: _thread(stack, sched.run)
+        background(stack, coord.run)
+        sched = FakeScheduler(coord.address, "i0", keys, limits={"vocab": 300, "max_context": 64})
+        yield port, sched, lambda: background(stack, sched.run)
 
 
 def request(port: int, method: str, path: str, body: object = None, key: str | None = KEY,
@@ -222,7 +174,7 @@ def test_admin_routes_need_a_key_even_when_none_is_set():
         ctx = zmq.Context()
         stack.callback(ctx.term)
         coord = Coordinator(CoordinatorConfig(listen="inproc://no-key", http_port=port, timing=TIMING), ctx=ctx)
-        _thread(stack, coord.run)
+        background(stack, coord.run)
         for method, path in (("GET", "/admin/instances"), ("POST", "/admin/drain")):
             status, _, body = request(port, method, path, {"instance": "x"} if method == "POST" else None, key=None)
             assert status == 403 and "--api-key" in body["error"]["message"]

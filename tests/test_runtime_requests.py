@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import ExitStack
 
@@ -18,24 +17,13 @@ from coral_dagster.runtime.limits import ModelLimits
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
+from runtime_fakes import FakeScheduler, background
 
 torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
 
 MODEL = "tiny-llama"
 CFG = decoder_config(MODEL)
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=20.0)
-
-
-def _thread(stack: ExitStack, target) -> threading.Thread:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop,), daemon=True)
-    t.start()
-
-    def end() -> None:
-        stop.set()
-        t.join(timeout=10)
-    stack.callback(end)
-    return t
 
 
 def _final(c: Client, tag: str) -> dict:
@@ -47,7 +35,7 @@ def _instance(stack: ExitStack, keys: CurveKeys, coordinator: str, name: str, sp
     sched = Scheduler(SchedulerConfig(name, MODEL, "aggregated", split, CFG.n_layers, coordinator,
                                       listen="tcp://127.0.0.1:*", timing=TIMING,
                                       limits=ModelLimits(CFG.vocab, CFG.max_context)), keys, ctx=zmq.Context())
-    threads = [_thread(stack, sched.run)]
+    threads = [background(stack, sched.run)]
     start = 0
     for stage, n in enumerate(split):
         from coral_dagster.runtime.node import EngineNode
@@ -55,7 +43,7 @@ def _instance(stack: ExitStack, keys: CurveKeys, coordinator: str, name: str, sp
         settings = NodeSettings(f"{name}.s{stage}", MODEL, start, start + n, CFG.n_layers, stage, sched.address,
                                 timing=TIMING)
         node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, start + n), keys, ctx=zmq.Context())
-        threads.append(_thread(stack, node.run))
+        threads.append(background(stack, node.run))
         start += n
     return threads
 
@@ -68,7 +56,7 @@ def test_hostile_requests_fail_alone_and_good_ones_still_match_the_reference():
         stack.callback(ctx.term)
         coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING,
                                               max_retries=3), keys, ctx=ctx)
-        threads = [_thread(stack, coord.run)]
+        threads = [background(stack, coord.run)]
         for name in ("a", "b"):
             threads += _instance(stack, keys, coord.address, name)
         c = Client(coord.address, keys=keys, ctx=ctx, timeout_s=20)
@@ -143,32 +131,6 @@ def test_an_instance_survives_requests_that_bypass_the_coordinator():
         assert all(t.is_alive() for t in threads)
 
 
-def _scripted_scheduler(address: str, keys: CurveKeys, name: str, status: int | None, answered: list[str]):
-    """Registers a ready instance that fails every request with `status` (None: an instance fault)."""
-    def loop(stop: threading.Event) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = keys.secret, keys.public, keys.public
-        sock.setsockopt(zmq.IDENTITY, f"scheduler:{name}".encode())
-        sock.connect(address)
-        wire.send(sock, {"kind": "register", "instance": name, "model": "m", "phase": "aggregated",
-                         "tokens_per_s": 1.0})
-        beat = 0.0
-        while not stop.is_set():
-            if time.monotonic() - beat > TIMING.heartbeat_s:
-                beat = time.monotonic()
-                wire.send(sock, {"kind": "heartbeat", "instance": name, "healthy": True})
-            if sock.poll(20):
-                for _, h, _ in wire.drain(sock):
-                    if h["kind"] == "generate":
-                        answered.append(name)
-                        wire.send(sock, {"kind": "error", "instance": name, "rid": h["rid"], "status": status,
-                                         "problem": f"{name} says no"})
-        sock.close()
-        ctx.term()
-    return loop
-
 
 @pytest.mark.parametrize("status, attempts", [(400, 1), (None, 2)], ids=["request-error", "instance-fault"])
 def test_request_errors_are_not_retried_on_another_instance(status, attempts):
@@ -178,14 +140,18 @@ def test_request_errors_are_not_retried_on_another_instance(status, attempts):
         stack.callback(ctx.term)
         coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING,
                                               max_retries=1), keys, ctx=ctx)
-        _thread(stack, coord.run)
-        answered: list[str] = []
-        for name in ("p", "q"):
-            _thread(stack, _scripted_scheduler(coord.address, keys, name, status, answered))
+        background(stack, coord.run)
+        def refuse(name: str, h: dict) -> list[dict]:
+            return [{"kind": "error", "instance": name, "rid": h["rid"], "status": status, "problem": f"{name} says no"}]
+
+        fakes = [FakeScheduler(coord.address, name, keys, answer=refuse) for name in ("p", "q")]
+        for fake in fakes:
+            background(stack, fake.run)
         c = Client(coord.address, keys=keys, ctx=ctx, timeout_s=10)
         stack.callback(c.close)
         c.wait_ready(2, timeout_s=10)
         e = _final(c, c.submit("m", "x", max_tokens=2))
+        answered = [n for fake in fakes for n in fake.answered]
         assert e["kind"] == "error" and len(answered) == attempts and len(set(answered)) == attempts
         assert e["status"] == (400 if status else 503) and len(e["instances"]) == attempts
         assert c.status()["counts"]["retried"] == attempts - 1

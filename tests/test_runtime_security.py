@@ -26,6 +26,7 @@ from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
 from coral_dagster.runtime.tokenizer import ByteTokenizer
+from runtime_fakes import background
 
 torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
 
@@ -76,17 +77,6 @@ class Relay:
             s.close()
 
 
-def _thread(stack: ExitStack, target, *args) -> None:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop, *args), daemon=True)
-    t.start()
-
-    def end() -> None:
-        stop.set()
-        t.join(timeout=10)
-    stack.callback(end)
-
-
 def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, Relay]:
     """Coordinator, scheduler and two engine nodes (layers 0:6, 6:12) as threads, each with its own context;
     stage 1 is reached through a recording relay."""
@@ -96,11 +86,11 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, 
     insecure = keys is None
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
                         insecure, ctx=contexts[0])
-    _thread(stack, coord.run)
+    background(stack, coord.run)
     sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, coord.address,
                                       listen="tcp://127.0.0.1:*", timing=TIMING), keys, insecure,
                       ctx=contexts[1])
-    _thread(stack, sched.run)
+    background(stack, sched.run)
     port1 = free_port()
     relay = Relay(port1)
     stack.callback(relay.close)
@@ -112,7 +102,7 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, 
                                 advertise=advertise, timing=TIMING)
         node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, insecure,
                           ctx=contexts[2 + stage])
-        _thread(stack, node.run)
+        background(stack, node.run)
         nodes.append(node)
     return coord.address, nodes[1], relay
 
@@ -203,6 +193,27 @@ def test_every_role_refuses_plain_tcp_unless_told_the_network_is_trusted():
         ctx.term()
 
 
+def _ready(stack: ExitStack, keys: CurveKeys) -> tuple[str, Client, zmq.Context]:
+    """A deployed, ready instance: its coordinator address, the owner's client, a context for other peers."""
+    address, _, _ = _deploy(stack, keys)
+    owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+    stack.callback(owner.close)
+    owner.wait_ready(1, timeout_s=20.0)
+    ctx = zmq.Context()
+    stack.callback(ctx.term)
+    return address, owner, ctx
+
+
+def _replies(sock: zmq.Socket, window_s: float = 1.5) -> list[str]:
+    """Kinds of every message `sock` receives within `window_s`."""
+    kinds: list[str] = []
+    deadline = time.monotonic() + window_s
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(max(1, int(1000 * left))):
+            kinds += [h["kind"] for _, h, _ in wire.drain(sock)]
+    return kinds
+
+
 def _insider(keys: CurveKeys) -> SimpleNamespace:
     """The deployment's own keypair, shaped like `_Stranger`: what any process of the deployment holds."""
     return SimpleNamespace(secret=keys.secret, public=keys.public, server=keys.public)
@@ -223,18 +234,12 @@ def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_
     keys = CurveKeys.generate()
     insider = _insider(keys)
     with ExitStack() as stack:
-        address, _, _ = _deploy(stack, keys)
-        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
-        stack.callback(owner.close)
-        owner.wait_ready(1, timeout_s=20.0)
-        ctx = zmq.Context()
-        stack.callback(ctx.term)
+        address, owner, ctx = _ready(stack, keys)
         # Outsiders (no CURVE, or a key the deployment never issued) take the scheduler's routing id; an insider
         # holding the deployment key tries from a second connection under another id.
-        peers = [(_peer(ctx, address, b"scheduler:i0"), False), (_peer(ctx, address, b"scheduler:i0",
-                                                                       _Stranger(keys.public)), False),
-                 (_peer(ctx, address, b"scheduler:evil", insider), True)]
-        for sock, _ in peers:
+        peers = [_peer(ctx, address, b"scheduler:i0"), _peer(ctx, address, b"scheduler:i0", _Stranger(keys.public)),
+                 _peer(ctx, address, b"scheduler:evil", insider)]
+        for sock in peers:
             stack.callback(sock.close)
             for header in ({"kind": "register", "instance": "i0", "model": "evil", "phase": "aggregated",
                             "tokens_per_s": 1e9}, {"kind": "register", "instance": "new", "model": "evil",
@@ -243,16 +248,14 @@ def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_
                            {"kind": "health", "instance": "i0", "healthy": False, "problem": "forged"},
                            {"kind": "left", "instance": "i0"}):
                 wire.send(sock, header, block=True)
-        replies = {}
-        for sock, _ in peers:
-            replies[sock] = [h["kind"] for _, h, _ in wire.drain(sock)] if sock.poll(2000) else []
+        outsider, stranger, insider_replies = (_replies(sock) for sock in peers)
         status = owner.status()
         live = {i["instance"]: (i["model"], i["state"]) for i in status["instances"]}
         # Only the insider, holding the deployment's key, may add an instance of its own; none may touch i0.
         assert live.pop("i0") == (MODEL, "ready") and list(live) == ["new"]
         assert status["departed"] == []
-        assert replies[peers[0][0]] == [] and replies[peers[1][0]] == []
-        assert "refused" in replies[peers[2][0]] and "reregister" in replies[peers[2][0]]
+        assert outsider == [] and stranger == []
+        assert "refused" in insider_replies and "reregister" in insider_replies
         done = owner.complete(MODEL, [PROMPT], max_tokens=3, ignore_eos=True)[0]
         assert done["kind"] == "done" and done["instances"] == ["i0"]
 
@@ -260,12 +263,7 @@ def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_
 def test_oversized_messages_are_dropped_before_they_are_read():
     keys = CurveKeys.generate()
     with ExitStack() as stack:
-        address, _, _ = _deploy(stack, keys)
-        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
-        stack.callback(owner.close)
-        owner.wait_ready(1, timeout_s=20.0)
-        ctx = zmq.Context()
-        stack.callback(ctx.term)
+        address, owner, ctx = _ready(stack, keys)
         big = _peer(ctx, address, b"big", _insider(keys))
         stack.callback(big.close)
         big.send_multipart([json.dumps({"kind": "status", "tag": "x", "pad": "a" * (wire.MAX_CONTROL_BYTES + 1)})
