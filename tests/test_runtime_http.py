@@ -137,8 +137,9 @@ def test_malformed_slow_and_oversized_requests_get_openai_errors(door):
         (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Content-Length: 100\r\n\r\n{\"a\"", 408),
         (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth
          + f"Content-Length: {MAX_BODY + 1}\r\n\r\n".encode(), 413),
+        # Chunked, so no Content-Length warns: the limit is found while reading, on the body's last byte.
         (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth + b"Transfer-Encoding: chunked\r\n\r\n"
-         + f"{MAX_BODY:x}\r\n".encode() + b" " * MAX_BODY + b"\r\n10\r\n" + b" " * 16 + b"\r\n0\r\n\r\n", 413),
+         + f"{MAX_BODY + 1:x}\r\n".encode() + b" " * (MAX_BODY + 1), 413),
         (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 408),
         (b"GARBAGE\r\n\r\n", 400),
         (b"GET /v1/models HTTP/1.1\r\nHost: x\r\n" + b"X-Long: " + b"a" * 70000 + b"\r\n\r\n", (400, 431)),
@@ -161,9 +162,15 @@ def test_malformed_slow_and_oversized_requests_get_openai_errors(door):
             ("POST", "/v1/completions", {"model": "m", "prompt": [[300]]}, KEY, 400),
             ("POST", "/v1/completions", {"model": "m", "prompt": "x" * 64}, KEY, 400),
             ("POST", "/v1/completions", {"model": "m", "prompt": ["x"] * 65}, KEY, 400),
-            ("POST", "/v1/completions", [1, 2], KEY, 400)):
+            ("POST", "/v1/completions", [1, 2], KEY, 400),
+            ("POST", "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": float("nan")}, KEY, 400)):
         status, _, reply = request(port, method, path, body, key=key)
         assert status == expected and _is_openai_error(reply, expected), (path, body, status, reply)
+    deep = ("[" * 30_000 + "]" * 30_000).encode()
+    assert len(deep) < MAX_BODY
+    status, body = raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + auth
+                       + f"Content-Length: {len(deep)}\r\nConnection: close\r\n\r\n".encode() + deep)
+    assert status == 400 and _is_openai_error(body, 400)
     # After all that, the server still answers.
     assert request(port, "POST", "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 1})[0] == 200
 

@@ -271,6 +271,11 @@ def test_oversized_messages_are_dropped_before_they_are_read():
         assert not big.poll(1000), "an oversized message was answered"
         with pytest.raises(wire.WireError, match="frames"):
             wire.unpack([b'{"kind": "x"}'] * (wire.MAX_FRAMES + 1))
+        deep = b"[" * 100_000 + b"]" * 100_000
+        with pytest.raises(wire.WireError, match="RecursionError"):
+            wire.unpack([deep])
+        big.send_multipart([deep])
+        assert not big.poll(500), "a header nested too deep was answered"
         assert owner.status()["instances"][0]["state"] == "ready"
         done = owner.complete(MODEL, [PROMPT], max_tokens=2, ignore_eos=True)[0]
         assert done["kind"] == "done"

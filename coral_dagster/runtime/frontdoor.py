@@ -201,8 +201,8 @@ class _App:
                 break
         try:
             return json.loads(b"".join(chunks) or b"{}")
-        except ValueError as exc:
-            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"the body is not JSON that can be read: {exc!r}") from None
 
     async def _route(self, scope: dict[str, Any], receive: Receive, send: Send, link: _Link) -> None:
         method, path = scope["method"], scope["path"]

@@ -58,8 +58,8 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
         raise WireError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}.", "send tensors as raw frames")
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"header is not JSON ({exc}).", "send a JSON object as the first frame") from None
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"header is not JSON ({exc!r}).", "send a flat JSON object as the first frame") from None
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise WireError("header lacks a string 'kind'.", "send {'kind': ..., ...}")
     descs = header.pop("tensors", [])
