@@ -71,7 +71,7 @@ def test_drain_finishes_in_flight_work_takes_none_new_and_leaves(tmp_path):
 def test_killed_engine_is_detected_in_bounded_time_and_work_resumes_or_fails_clearly(tmp_path):
     expected = generate(MODEL, LONG, 150, ignore_eos=True)
     with LocalDeployment(MODEL, local_instances((6, 6), 2), timing=FAST, max_retries=1,
-                         log_dir=tmp_path) as dep:
+                         log_dir=tmp_path, restart=False) as dep:
         dep.wait_ready(60)
         with dep.client(timeout_s=30) as c:
             tag, victim = _start_long(c, 150)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from contextlib import ExitStack
@@ -19,19 +18,9 @@ from coral_dagster.runtime.coordinator import Coordinator
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.tokenizer import ByteTokenizer
+from runtime_fakes import FakeScheduler, background
 
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=10.0, kv_timeout_s=0.5)
-
-
-def _run(stack: ExitStack, target) -> None:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop,), daemon=True)
-    t.start()
-
-    def end() -> None:
-        stop.set()
-        t.join(timeout=10)
-    stack.callback(end)
 
 
 def _recv(sock: zmq.Socket, timeout_s: float = 5.0, routed: bool = False):
@@ -43,40 +32,18 @@ def _recv(sock: zmq.Socket, timeout_s: float = 5.0, routed: bool = False):
     raise AssertionError(f"no message within {timeout_s} s")
 
 
-def _fake_scheduler(address: str, name: str, tokens_per_s: float):
-    """Registers an instance and answers every request with one token at once."""
-    def loop(stop: threading.Event) -> None:
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(address)
-        wire.send(sock, {"kind": "register", "instance": name, "model": "m", "phase": "aggregated",
-                         "tokens_per_s": tokens_per_s, "stages": []})
-        beat = 0.0
-        while not stop.is_set():
-            if time.monotonic() - beat > TIMING.heartbeat_s:
-                beat = time.monotonic()
-                wire.send(sock, {"kind": "heartbeat", "instance": name, "healthy": True})
-            if sock.poll(20):
-                for _, h, _ in wire.drain(sock):
-                    if h["kind"] == "generate":
-                        wire.send(sock, {"kind": "token", "instance": name, "rid": h["rid"], "token": 65})
-                        wire.send(sock, {"kind": "done", "instance": name, "rid": h["rid"], "finish_reason": "length"})
-        sock.close()
-        ctx.term()
-    return loop
-
 
 def test_router_shares_requests_by_template_throughput():
     """Weights 3 and 1 tok/s: over 40 requests exactly 30 and 10 (smooth WRR is exact over whole cycles)."""
     with ExitStack() as stack:
         ctx = zmq.Context()
         stack.callback(ctx.term)
-        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), ctx=ctx)
-        _run(stack, coord.run)
-        _run(stack, _fake_scheduler(coord.address, "fast", 3.0))
-        _run(stack, _fake_scheduler(coord.address, "slow", 1.0))
-        c = Client(coord.address, ctx=ctx, timeout_s=10)
+        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), ctx=ctx,
+                            insecure=True)
+        background(stack, coord.run)
+        background(stack, FakeScheduler(coord.address, "fast", tokens_per_s=3.0).run)
+        background(stack, FakeScheduler(coord.address, "slow", tokens_per_s=1.0).run)
+        c = Client(coord.address, ctx=ctx, timeout_s=10, insecure=True)
         stack.callback(c.close)
         c.wait_ready(2, timeout_s=10)
         done = c.complete("m", ["p"] * 40, max_tokens=1)
@@ -95,8 +62,8 @@ def test_scheduler_spreads_a_stage_over_its_nodes_by_share():
         stack.callback(coord.close)
         sched = Scheduler(SchedulerConfig("i", "tiny-llama", "aggregated", (12,), 12,
                                           coord.getsockopt_string(zmq.LAST_ENDPOINT), listen="tcp://127.0.0.1:*",
-                                          timing=TIMING))
-        _run(stack, sched.run)
+                                          timing=TIMING), insecure=True)
+        background(stack, sched.run)
         nodes = {}
         for name, share in (("big", 2.0), ("small", 1.0)):
             ctl, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.PULL)
@@ -159,8 +126,8 @@ def test_decode_node_parks_steps_until_kv_arrives_and_fails_clearly_without_it()
         stack.callback(sched.close)
         settings = NodeSettings("d1", "tiny-llama", 6, 12, 12, 1, sched.getsockopt_string(zmq.LAST_ENDPOINT),
                                 timing=TIMING)
-        node = EngineNode(settings, torch_engine.TorchEngine(cfg, 6, 12), ctx=zmq.Context())
-        _run(stack, node.run)
+        node = EngineNode(settings, torch_engine.TorchEngine(cfg, 6, 12), ctx=zmq.Context(), insecure=True)
+        background(stack, node.run)
         push = ctx.socket(zmq.PUSH)
         push.linger = 0
         push.connect(node.address)
@@ -194,15 +161,15 @@ def test_front_door_requires_the_api_key_when_one_is_set():
         ctx = zmq.Context()
         stack.callback(ctx.term)
         coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=port, models=("m",),
-                                              api_key="s3cret", timing=TIMING), ctx=ctx)
-        _run(stack, coord.run)
-        url = f"http://127.0.0.1:{port}/v1/models"
+                                              api_key="s3cret", timing=TIMING), ctx=ctx, insecure=True)
+        background(stack, coord.run)
+        url = f"http://127.0.0.1:{port}/admin/instances"
         for headers in ({}, {"Authorization": "Bearer wrong"}):
             with pytest.raises(urllib.error.HTTPError) as err:
                 urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10)
             assert err.value.code == 401
         ok = urllib.request.urlopen(urllib.request.Request(url, headers={"Authorization": "Bearer s3cret"}),
                                     timeout=10)
-        assert [m["id"] for m in json.load(ok)["data"]] == ["m"]
+        assert json.load(ok)["models"] == ["m"]
     with pytest.raises(CoralError, match="API key"):
         Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_host="0.0.0.0", http_port=free_port()))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
 from contextlib import ExitStack
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,6 +26,7 @@ from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
 from coral_dagster.runtime.tokenizer import ByteTokenizer
+from runtime_fakes import background
 
 torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
 
@@ -74,29 +77,20 @@ class Relay:
             s.close()
 
 
-def _thread(stack: ExitStack, target, *args) -> None:
-    stop = threading.Event()
-    t = threading.Thread(target=target, args=(stop, *args), daemon=True)
-    t.start()
-
-    def end() -> None:
-        stop.set()
-        t.join(timeout=10)
-    stack.callback(end)
-
-
 def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, Relay]:
     """Coordinator, scheduler and two engine nodes (layers 0:6, 6:12) as threads, each with its own context;
     stage 1 is reached through a recording relay."""
     contexts = [zmq.Context() for _ in range(4)]
     for ctx in contexts:
         stack.callback(ctx.term)
+    insecure = keys is None
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
-                        ctx=contexts[0])
-    _thread(stack, coord.run)
+                        insecure, ctx=contexts[0])
+    background(stack, coord.run)
     sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, coord.address,
-                                      listen="tcp://127.0.0.1:*", timing=TIMING), keys, ctx=contexts[1])
-    _thread(stack, sched.run)
+                                      listen="tcp://127.0.0.1:*", timing=TIMING), keys, insecure,
+                      ctx=contexts[1])
+    background(stack, sched.run)
     port1 = free_port()
     relay = Relay(port1)
     stack.callback(relay.close)
@@ -106,8 +100,9 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, 
                                                     f"tcp://127.0.0.1:{relay.port}")):
         settings = NodeSettings(f"n{stage}", MODEL, start, end, CFG.n_layers, stage, sched.address, listen=listen,
                                 advertise=advertise, timing=TIMING)
-        node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, ctx=contexts[2 + stage])
-        _thread(stack, node.run)
+        node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, insecure,
+                          ctx=contexts[2 + stage])
+        background(stack, node.run)
         nodes.append(node)
     return coord.address, nodes[1], relay
 
@@ -136,13 +131,13 @@ class _Stranger:
         self.public, self.server = public, server_public
 
 
-@pytest.mark.parametrize("curve", [True, False], ids=["curve", "plain-control"])
+@pytest.mark.parametrize("curve", [True, False], ids=["curve", "insecure-control"])
 def test_without_the_key_no_work_is_accepted_and_activations_are_unreadable(curve):
     keys = CurveKeys.generate() if curve else None
     expected = generate(MODEL, PROMPT, 6, ignore_eos=True)
     with ExitStack() as stack:
         address, node1, relay = _deploy(stack, keys)
-        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+        owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0, insecure=not curve)
         stack.callback(owner.close)
         owner.wait_ready(1, timeout_s=20.0)
         done = owner.complete(MODEL, [PROMPT], max_tokens=6, ignore_eos=True)[0]
@@ -183,3 +178,104 @@ def test_without_the_key_no_work_is_accepted_and_activations_are_unreadable(curv
         while time.monotonic() < deadline and node1.steps_run == before:
             time.sleep(0.05)
         assert (node1.steps_run > before) is (not curve)
+
+
+def test_every_role_refuses_plain_tcp_unless_told_the_network_is_trusted():
+    ctx = zmq.Context()
+    try:
+        for make in (lambda: Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None), ctx=ctx),
+                     lambda: Client("tcp://127.0.0.1:1", ctx=ctx),
+                     lambda: Scheduler(SchedulerConfig("i", MODEL, "aggregated", (12,), 12, "tcp://127.0.0.1:1",
+                                                       listen="tcp://127.0.0.1:*"), ctx=ctx)):
+            with pytest.raises(CoralError, match="CORAL_CURVE_SECRET_KEY.*--insecure"):
+                make()
+    finally:
+        ctx.term()
+
+
+def _ready(stack: ExitStack, keys: CurveKeys) -> tuple[str, Client, zmq.Context]:
+    """A deployed, ready instance: its coordinator address, the owner's client, a context for other peers."""
+    address, _, _ = _deploy(stack, keys)
+    owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
+    stack.callback(owner.close)
+    owner.wait_ready(1, timeout_s=20.0)
+    ctx = zmq.Context()
+    stack.callback(ctx.term)
+    return address, owner, ctx
+
+
+def _replies(sock: zmq.Socket, window_s: float = 1.5) -> list[str]:
+    """Kinds of every message `sock` receives within `window_s`."""
+    kinds: list[str] = []
+    deadline = time.monotonic() + window_s
+    while (left := deadline - time.monotonic()) > 0:
+        if sock.poll(max(1, int(1000 * left))):
+            kinds += [h["kind"] for _, h, _ in wire.drain(sock)]
+    return kinds
+
+
+def _insider(keys: CurveKeys) -> SimpleNamespace:
+    """The deployment's own keypair, shaped like `_Stranger`: what any process of the deployment holds."""
+    return SimpleNamespace(secret=keys.secret, public=keys.public, server=keys.public)
+
+
+def _peer(ctx: zmq.Context, address: str, identity: bytes, keys=None) -> zmq.Socket:
+    """A DEALER with a chosen routing id, CURVE-configured with `keys` (deployment or stranger) or plain."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.setsockopt(zmq.IDENTITY, identity)
+    if keys is not None:
+        sock.curve_secretkey, sock.curve_publickey, sock.curve_serverkey = keys.secret, keys.public, keys.server
+    sock.connect(address)
+    return sock
+
+
+def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_connection():
+    keys = CurveKeys.generate()
+    insider = _insider(keys)
+    with ExitStack() as stack:
+        address, owner, ctx = _ready(stack, keys)
+        # Outsiders (no CURVE, or a key the deployment never issued) take the scheduler's routing id; an insider
+        # holding the deployment key tries from a second connection under another id.
+        peers = [_peer(ctx, address, b"scheduler:i0"), _peer(ctx, address, b"scheduler:i0", _Stranger(keys.public)),
+                 _peer(ctx, address, b"scheduler:evil", insider)]
+        for sock in peers:
+            stack.callback(sock.close)
+            for header in ({"kind": "register", "instance": "i0", "model": "evil", "phase": "aggregated",
+                            "tokens_per_s": 1e9}, {"kind": "register", "instance": "new", "model": "evil",
+                                                   "phase": "aggregated", "tokens_per_s": 1e9},
+                           {"kind": "heartbeat", "instance": "i0", "healthy": False},
+                           {"kind": "health", "instance": "i0", "healthy": False, "problem": "forged"},
+                           {"kind": "left", "instance": "i0"}):
+                wire.send(sock, header, block=True)
+        outsider, stranger, insider_replies = (_replies(sock) for sock in peers)
+        status = owner.status()
+        live = {i["instance"]: (i["model"], i["state"]) for i in status["instances"]}
+        # Only the insider, holding the deployment's key, may add an instance of its own; none may touch i0.
+        assert live.pop("i0") == (MODEL, "ready") and list(live) == ["new"]
+        assert status["departed"] == []
+        assert outsider == [] and stranger == []
+        assert "refused" in insider_replies and "reregister" in insider_replies
+        done = owner.complete(MODEL, [PROMPT], max_tokens=3, ignore_eos=True)[0]
+        assert done["kind"] == "done" and done["instances"] == ["i0"]
+
+
+def test_oversized_messages_are_dropped_before_they_are_read():
+    keys = CurveKeys.generate()
+    with ExitStack() as stack:
+        address, owner, ctx = _ready(stack, keys)
+        big = _peer(ctx, address, b"big", _insider(keys))
+        stack.callback(big.close)
+        big.send_multipart([json.dumps({"kind": "status", "tag": "x", "pad": "a" * (wire.MAX_CONTROL_BYTES + 1)})
+                            .encode()])
+        assert not big.poll(1000), "an oversized message was answered"
+        with pytest.raises(wire.WireError, match="frames"):
+            wire.unpack([b'{"kind": "x"}'] * (wire.MAX_FRAMES + 1))
+        deep = b"[" * 100_000 + b"]" * 100_000
+        with pytest.raises(wire.WireError, match="RecursionError"):
+            wire.unpack([deep])
+        big.send_multipart([deep])
+        assert not big.poll(500), "a header nested too deep was answered"
+        assert owner.status()["instances"][0]["state"] == "ready"
+        done = owner.complete(MODEL, [PROMPT], max_tokens=2, ignore_eos=True)[0]
+        assert done["kind"] == "done"

@@ -33,10 +33,18 @@ def reference(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
     return json.loads(result.output)
 
 
-def http(url: str, body: dict | None = None, timeout_s: float = 30.0):
+def http(url: str, body: dict | None = None, timeout_s: float = 30.0, key: str | None = None):
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    return urllib.request.urlopen(req, timeout=timeout_s)
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
+    return urllib.request.urlopen(urllib.request.Request(url, data=data, headers=headers), timeout=timeout_s)
+
+
+def api_key(info: dict) -> str:
+    """The key `serve local` generated, read from the file it named (owner-only)."""
+    path = info["api_key_file"]
+    assert os.stat(path).st_mode & 0o077 == 0
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _read_line(proc: subprocess.Popen, timeout_s: float) -> str:
@@ -77,14 +85,16 @@ def serve_local(log_dir, *args: str):
 def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
     expected = [reference(p) for p in PROMPTS]
     with serve_local(tmp_path, "--split", "3,5,4", "--instances", "2", *extra) as info:
+        key = api_key(info)
         names = {i["instance"] for i in info["instances"]}
         assert names == ({"prefill-0", "decode-0"} if extra else {"agg-0", "agg-1"})
         assert len(info["pids"]) == 1 + 2 * (1 + 3)  # coordinator + 2 × (scheduler + 3 stage nodes)
-        models = json.load(http(info["http"] + "/v1/models"))
+        models = json.load(http(info["http"] + "/v1/models", key=key))
         assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
         body = json.load(http(info["http"] + "/v1/completions",
-                              {"model": "tiny-llama", "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0}))
+                              {"model": "tiny-llama", "prompt": PROMPTS, "max_tokens": MAX_TOKENS, "temperature": 0},
+                              key=key))
         got = sorted(body["choices"], key=lambda c: c["index"])
         assert [c["token_ids"] for c in got] == [e["tokens"] for e in expected]
         assert [c["text"] for c in got] == [e["text"] for e in expected]
@@ -92,7 +102,7 @@ def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
         assert body["usage"]["completion_tokens"] == sum(len(e["tokens"]) for e in expected)
 
         with http(info["http"] + "/v1/completions", {"model": "tiny-llama", "prompt": PROMPTS[1],
-                                                     "max_tokens": MAX_TOKENS, "stream": True}) as resp:
+                                                     "max_tokens": MAX_TOKENS, "stream": True}, key=key) as resp:
             assert resp.headers["Content-Type"] == "text/event-stream"
             events = [line[6:].strip() for line in resp.read().decode().splitlines() if line.startswith("data: ")]
         assert events[-1] == "[DONE]"
@@ -104,10 +114,10 @@ def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
                                  ({"model": "tiny-llama", "prompt": "x", "temperature": 0.8}, 400, "greedy"),
                                  ({"model": "tiny-llama", "prompt": 5}, 400, "prompt")):
             with pytest.raises(urllib.error.HTTPError) as err:
-                http(info["http"] + "/v1/completions", bad)
+                http(info["http"] + "/v1/completions", bad, key=key)
             assert err.value.code == code and words in json.load(err.value)["error"]["message"]
 
-        status = json.load(http(info["http"] + "/admin/instances"))
+        status = json.load(http(info["http"] + "/admin/instances", key=key))
         served = {i["instance"]: i["served"] for i in status["instances"]}
         # Five requests served (the unknown model never reached an instance); aggregated instances share them
         # by round-robin, PD sends each through both phases.

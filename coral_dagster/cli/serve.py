@@ -86,6 +86,19 @@ def model_layers(model: str) -> int:
     return get_model(model).n_layers
 
 
+def model_limits(model: str):
+    """Vocabulary and context of a runtime model (a catalog model's context is its engine's to check)."""
+    from coral_dagster.runtime.limits import ModelLimits
+    from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
+
+    if model.lower().startswith(TINY_PREFIX):
+        cfg = decoder_config(model)
+        return ModelLimits(cfg.vocab, cfg.max_context)
+    from coral_dagster.catalog.models import get_model
+
+    return ModelLimits(get_model(model).vocab)
+
+
 @click.group("serve", context_settings={"help_option_names": ["-h", "--help"]})
 def serve() -> None:
     """Run the serving runtime: a coordinator, one scheduler per instance, one engine node per stage node.
@@ -159,7 +172,7 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
     cfg = SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
                           n_layers=model_layers(model), coordinator=coordinator, listen=listen,
                           tokens_per_s=tokens_per_s, timing=_timing(kw), region=region,
-                          route_weight=route_weight)
+                          route_weight=route_weight, limits=model_limits(model))
     sched = Scheduler(cfg, keys=_keys(), insecure=insecure)
     stop = threading.Event()
     drain = threading.Event()
@@ -231,21 +244,29 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
                    "get one each).")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP front door port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every process listens on.")
-@click.option("--curve", is_flag=True, help="Generate CURVE keys for this deployment and encrypt every socket.")
+@_opt("--api-key", env="API_KEY", default=None,
+      help="Key HTTP clients must send as 'Authorization: Bearer' (default: generated, written to <log-dir>/api_key).")
+@click.option("--restart/--no-restart", default=True, show_default=True,
+              help="Restart a scheduler or engine that dies, with exponential back-off.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
 @click.option("--ready-timeout-s", type=POSITIVE, default=120.0, show_default=True, help="Start-up time limit.")
 @_timing_options
 @_json
 def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: str | None, stage_nodes: str | None,
-              port: int, host: str, curve: bool, log_dir: str | None, ready_timeout_s: float, as_json: bool,
-              **kw: Any) -> None:
-    """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C."""
+              port: int, host: str, api_key: str | None, restart: bool, log_dir: str | None, ready_timeout_s: float,
+              as_json: bool, **kw: Any) -> None:
+    """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C.
+
+    Every socket between them is CURVE-encrypted with keys generated for this run; the HTTP front door needs the
+    API key, which is printed as a file path (the key itself is never printed).
+    """
     from coral_dagster.runtime.config import parse_split
     from coral_dagster.runtime.local import LocalDeployment, local_instances
 
     layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
                              parse_split(stage_nodes) if stage_nodes else ())
-    dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), curve=curve, log_dir=log_dir)
+    dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), log_dir=log_dir,
+                          api_key=api_key, restart=restart)
     stop = threading.Event()
     _stop_on_signals(stop)
     try:
@@ -253,7 +274,8 @@ def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: st
         dep.wait_ready(ready_timeout_s)
         info = dep.info()
         _say(as_json, {"ready": True, **info},
-             f"serving {model} at {info['http']}/v1 ({len(layout)} instances; logs in {info['log_dir']})")
+             f"serving {model} at {info['http']}/v1 ({len(layout)} instances; logs in {info['log_dir']}; "
+             f"API key in {info['api_key_file']})")
         while not stop.wait(0.5):
             if not dep.alive("coordinator"):
                 raise CoralError(f"the coordinator exited; logs in {info['log_dir']}.", "read coordinator.log")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
+from coral_dagster.runtime.limits import ModelLimits
 
 PHASES = ("aggregated", "prefill", "decode")
 
@@ -72,6 +73,9 @@ class CoordinatorConfig:
     # Clients must send `Authorization: Bearer <api_key>` when set (OpenAI clients' `api_key`).
     api_key: str | None = None
     timing: Timing = field(default_factory=Timing)
+    # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
+    http_read_timeout_s: float = 10.0
+    http_max_body_bytes: int = 4 << 20
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,8 @@ class SchedulerConfig:
     timing: Timing = field(default_factory=Timing)
     region: str = "local"
     route_weight: float = 0.0  # the plan's routing weight (`coral_dagster.routing.instance_weight`); 0: tokens_per_s
+    # What requests may ask of the model; the coordinator rejects others before they reach an engine.
+    limits: ModelLimits | None = None
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:

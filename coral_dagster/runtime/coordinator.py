@@ -14,6 +14,8 @@ import zmq
 from coral_dagster.runtime import wire
 from coral_dagster.runtime.config import CoordinatorConfig
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
+                                          token_ids)
 from coral_dagster.runtime.security import CurveKeys, Security, is_local
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
 from coral_dagster.routing import Candidate, Router
@@ -36,6 +38,7 @@ class _Instance:
     problem: str = ""
     requests: set[str] = field(default_factory=set)
     served: int = 0
+    limits: ModelLimits | None = None
 
 
 @dataclass
@@ -99,7 +102,8 @@ class Coordinator:
 
             self.http = FrontDoor(self.ctx, self.front_address, cfg.http_host, cfg.http_port,
                                   timeout_s=cfg.timing.request_timeout_s * (cfg.max_retries + 1) + 5,
-                                  api_key=cfg.api_key)
+                                  api_key=cfg.api_key, read_timeout_s=cfg.http_read_timeout_s,
+                                  max_body_bytes=cfg.http_max_body_bytes)
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Route until `stop` is set, serving the HTTP front door alongside when configured."""
@@ -123,13 +127,30 @@ class Coordinator:
             self.close()
 
     def _drain_socket(self, sock: zmq.Socket, now: float) -> None:
+        """Handle each message on its own: one that cannot be handled is answered with an error, never fatal."""
         for ident, h, _ in wire.drain(sock, routed=True):
             try:
                 self._handle(sock, ident, h, now)
-            except (KeyError, TypeError, ValueError) as exc:
+            except RequestError as exc:
+                self._reply_error(sock, ident, h, exc.problem, exc.fix, exc.status)
+            except (KeyError, TypeError, ValueError, OverflowError) as exc:
                 log.warning("dropping %s message with bad fields: %s", h.get("kind"), exc)
-                wire.send(sock, {"kind": "error", "tag": h.get("tag"), "problem": f"bad {h.get('kind')} message: "
-                                 f"{exc}", "fix": "send the fields the protocol names", "status": 400}, to=ident)
+                self._reply_error(sock, ident, h, f"bad {h.get('kind')} message: {exc}",
+                                  "send the fields the protocol names", 400)
+            except Exception as exc:  # noqa: BLE001 - one message's failure must not stop the router
+                log.exception("failed to handle a %s message", h.get("kind"))
+                self._reply_error(sock, ident, h, f"the coordinator failed on this {h.get('kind')} message: {exc!r}",
+                                  "report this with the coordinator's log", 500)
+
+    def _reply_error(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], problem: str, fix: str,
+                     status: int) -> None:
+        if h.get("kind") in self._CLIENT_KINDS or sock is self.front:
+            if h.get("kind") == "submit":
+                self.counts["failed"] += 1
+            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "problem": problem, "fix": fix, "status": status},
+                      to=ident)
+
+    _CLIENT_KINDS = ("submit", "cancel", "drain", "status")
 
     def _handle(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
         kind = h["kind"]
@@ -145,7 +166,8 @@ class Coordinator:
             self._register(ident, name, h, now)
             return
         inst = self.instances.get(name)
-        if inst is None:
+        if inst is None or inst.ident != ident:
+            # Only the connection that registered an instance speaks for it.
             wire.send(self.router, {"kind": "reregister"}, to=ident)
             return
         inst.last_seen = now
@@ -159,17 +181,27 @@ class Coordinator:
 
     def _register(self, ident: bytes, name: str, h: dict[str, Any], now: float) -> None:
         old = self.instances.get(name)
-        tokens_per_s = float(h["tokens_per_s"])
-        inst = _Instance(name, ident, str(h["model"]), str(h["phase"]), tokens_per_s,
-                         list(h.get("stages", [])), now, region=str(h.get("region") or "local"),
-                         weight=float(h.get("weight") or tokens_per_s),
-                         requests=old.requests if old else set(), served=old.served if old else 0)
+        if old is not None and old.ident != ident and old.state != "lost":
+            log.warning("refused a second registration of live instance %s", name)
+            wire.send(self.router, {"kind": "refused", "problem": f"instance {name} is registered and alive"},
+                      to=ident)
+            return
+        stages = h.get("stages", [])
+        if not isinstance(stages, list):
+            raise ValueError(f"stages must be a list, got {type(stages).__name__}")
+        tokens_per_s = finite_positive(h["tokens_per_s"], "tokens_per_s")
+        weight = finite_positive(h["weight"], "weight") if h.get("weight") is not None else tokens_per_s
+        inst = _Instance(name, ident, str(h["model"]), str(h["phase"]), tokens_per_s, stages, now,
+                         region=str(h.get("region") or "local"), weight=weight,
+                         requests=old.requests if old else set(), served=old.served if old else 0,
+                         limits=ModelLimits.from_message(h.get("limits")))
         self.instances[name] = inst
         log.info("instance %s (%s %s, %g tok/s) registered", name, inst.model, inst.phase, inst.tokens_per_s)
         wire.send(self.router, {"kind": "registered"}, to=ident)
 
     def _heartbeat(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
-        inst.stages = list(h.get("stages", inst.stages))
+        stages = h.get("stages", inst.stages)
+        inst.stages = stages if isinstance(stages, list) else inst.stages
         if inst.state == "lost":
             inst.state = "ready" if h.get("healthy") else "unhealthy"
         wire.send(self.router, {"kind": "ack"}, to=inst.ident)
@@ -212,17 +244,32 @@ class Coordinator:
     def _event(self, r: _Request, header: dict[str, Any]) -> None:
         wire.send(r.sock, {**header, "rid": r.rid, "tag": r.tag}, to=r.client)
 
+    def _limits(self, model: str) -> ModelLimits | None:
+        """The tightest limits any registered instance of `model` announced."""
+        limits = None
+        for i in self.instances.values():
+            if i.model == model and i.limits is not None:
+                limits = i.limits.tighter(limits)
+        return limits
+
     def _submit(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
-        prompt = h.get("prompt_tokens")
-        prompt = self.tokenizer.encode(str(h.get("prompt", ""))) if prompt is None else [int(x) for x in prompt]
-        r = _Request(f"req-{next(self._ids)}", sock, ident, h.get("tag"), str(h["model"]), prompt,
-                     int(h.get("max_tokens", 16)), bool(h.get("ignore_eos", False)), last_progress=now)
+        """Check a request where it enters, so that a request no instance can run never reaches one."""
         self.counts["submitted"] += 1
-        if r.max_tokens < 1 or not prompt:
-            self._event(r, {"kind": "error", "status": 400, "problem": "a request needs a prompt and max_tokens >= 1",
-                            "fix": "send a non-empty prompt and max_tokens of 1 or more"})
-            self.counts["failed"] += 1
-            return
+        model = h["model"]
+        if not isinstance(model, str):
+            raise RequestError(f"model {model!r} is not a name.", f"ask for one of: {', '.join(self._models())}")
+        if h.get("prompt_tokens") is not None:
+            prompt = token_ids(h["prompt_tokens"])
+        elif isinstance(h.get("prompt"), str) and h["prompt"]:
+            prompt = self.tokenizer.encode(h["prompt"])
+        else:
+            raise RequestError("a request needs a non-empty prompt.", "send prompt text or prompt_tokens")
+        max_tokens = max_tokens_of(h.get("max_tokens", 16))
+        if not isinstance(h.get("ignore_eos", False), bool):
+            raise RequestError(f"ignore_eos={h['ignore_eos']!r} is not true or false.", "send a JSON boolean")
+        check_request(prompt, max_tokens, self._limits(model), model)
+        r = _Request(f"req-{next(self._ids)}", sock, ident, h.get("tag"), model, prompt, max_tokens,
+                     h.get("ignore_eos", False), last_progress=now)
         self.requests[r.rid] = r
         self._dispatch(r, now)
 
@@ -289,12 +336,13 @@ class Coordinator:
                         "text": self.tokenizer.decode(r.out), "prompt_tokens": len(r.prompt),
                         "instances": r.history, "attempts": r.attempts})
 
-    def _finish_error(self, r: _Request, problem: str, fix: str, status: int) -> None:
+    def _finish_error(self, r: _Request, problem: str, fix: str, status: int, **extra: Any) -> None:
+        """Fail `r`; `extra` travels to the client (`type="rate_limited", retry_after_s=…` becomes HTTP 429)."""
         self._release(r, cancel=True)
         self.requests.pop(r.rid, None)
         self.counts["failed"] += 1
         self._event(r, {"kind": "error", "problem": problem, "fix": fix, "status": status, "tokens": r.out,
-                        "instances": r.history})
+                        "instances": r.history, **extra})
 
     def _owned(self, inst: _Instance, h: dict[str, Any]) -> _Request | None:
         r = self.requests.get(str(h["rid"]))
@@ -347,8 +395,14 @@ class Coordinator:
         self._finish(r, reason)
 
     def _attempt_failed(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
+        """A request error (4xx) fails the request where it stands; any other failure may resume elsewhere."""
         r = self._owned(inst, h)
-        if r is not None:
+        if r is None:
+            return
+        status = h.get("status")
+        if isinstance(status, int) and 400 <= status < 500:
+            self._finish_error(r, str(h["problem"]), str(h.get("fix") or "change the request"), status)
+        else:
             self._retry_or_fail(r, str(h["problem"]), now)
 
     def _retry_or_fail(self, r: _Request, problem: str, now: float) -> None:
@@ -388,8 +442,13 @@ class Coordinator:
         wire.send(sock, {"kind": "draining", "tag": h.get("tag"), "instance": name, "in_flight": len(inst.requests)},
                   to=ident)
 
+    def _serving(self) -> list[str]:
+        """Models a request could be dispatched for right now."""
+        return sorted(m for m in self._models() if self.routing.can_route(m, self._candidates(m)))
+
     def status(self) -> dict[str, Any]:
-        return {"models": self._models(), "counts": dict(self.counts), "departed": list(self.departed),
+        return {"models": self._models(), "serving": self._serving(), "counts": dict(self.counts),
+                "departed": list(self.departed),
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}

@@ -48,6 +48,8 @@ class Engine(ABC):
     end: int
     n_layers: int
     vocab: int
+    # Positions a request may reach; None where the engine does not say (vLLM checks its own).
+    max_context: int | None = None
 
     @property
     def is_first(self) -> bool:
@@ -76,6 +78,15 @@ class Engine(ABC):
     @abstractmethod
     def free(self, rid: str) -> None:
         """Drop `rid`'s KV cache; unknown requests are ignored."""
+
+    def check_step(self, step: Step) -> None:
+        """Raise ValueError when `step` itself cannot run (token ids outside the vocabulary, context exceeded)."""
+        if step.tokens is not None and step.tokens.size and not (
+                0 <= int(step.tokens.min()) and int(step.tokens.max()) < self.vocab):
+            raise ValueError(f"request {step.rid}: token ids must lie in [0, {self.vocab})")
+        if self.max_context is not None and step.pos + step.n_tokens > self.max_context:
+            raise ValueError(f"request {step.rid}: {step.pos + step.n_tokens} positions exceed "
+                             f"max_context={self.max_context}")
 
     def check_range(self, start: int, end: int) -> None:
         if not self.start <= start < end <= self.end:

@@ -8,6 +8,7 @@ import numpy as np
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import Engine, Step, make_engine
+from coral_dagster.runtime.limits import ModelLimits, check_request, max_tokens_of
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
 
 
@@ -19,15 +20,6 @@ class Completion:
     tokens: tuple[int, ...]
     finish_reason: str
     prompt_tokens: int
-
-
-def check_request(prompt_tokens: int, max_tokens: int, max_context: int) -> None:
-    """Reject requests the model cannot hold, saying how to fix them."""
-    if max_tokens < 1:
-        raise CoralError(f"max_tokens={max_tokens} asks for no output.", "pass max_tokens of 1 or more")
-    if prompt_tokens + max_tokens > max_context:
-        raise CoralError(f"{prompt_tokens} prompt tokens + max_tokens={max_tokens} exceed the model's "
-                         f"{max_context}-position context.", "shorten the prompt or lower max_tokens")
 
 
 def generate_tokens(engine: Engine, prompt: list[int], max_tokens: int, ignore_eos: bool = False,
@@ -58,6 +50,6 @@ def generate(model: str, prompt: str, max_tokens: int, ignore_eos: bool = False)
     cfg = decoder_config(model)
     tokenizer = ByteTokenizer()
     ids = tokenizer.encode(prompt)
-    check_request(len(ids), max_tokens, cfg.max_context)
+    check_request(ids, max_tokens_of(max_tokens), ModelLimits(cfg.vocab, cfg.max_context), model)
     tokens, reason = generate_tokens(make_engine("torch", model, 0, cfg.n_layers), ids, max_tokens, ignore_eos)
     return Completion(tokenizer.decode(tokens), tuple(tokens), reason, len(ids))

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import multiprocessing
 import os
+import secrets
+import select
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +22,9 @@ from coral_dagster.errors import CoralError
 from coral_dagster.runtime.client import Client
 from coral_dagster.runtime.config import Timing, stage_ranges
 from coral_dagster.runtime.security import CurveKeys
+
+log = logging.getLogger(__name__)
+ENV_API_KEY = "CORAL_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -77,9 +85,29 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
+def die_with(pid: int) -> None:
+    """SIGKILL this process as soon as process `pid` exits, however it exits (a pidfd watched by a thread).
+
+    `serve local`'s children are forked by multiprocessing's fork server, which does not pass its parent's death
+    on; a parent-death signal would fire only when the fork server goes, so each child watches `serve local` itself.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+
+    def watch() -> None:
+        select.select([fd], [], [])
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="coral-die-with-parent", daemon=True).start()
+
+
+def _child(argv: list[str], log_path: str, env: dict[str, str], parent: int) -> None:
     """Run `coral serve <argv>` in this process, logging to `log_path` (the body of every local process)."""
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    die_with(parent)
+    # Appended to, so that a restarted process's log follows the one it replaces.
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
@@ -96,24 +124,41 @@ def _child(argv: list[str], log_path: str, env: dict[str, str]) -> None:
 
 @dataclass
 class LocalDeployment:
-    """Runs each role as `coral serve <role> …` in its own process; `stop()` ends all of them."""
+    """Runs each role as `coral serve <role> …` in its own process; `stop()` ends all of them.
+
+    Every socket is CURVE-encrypted with keys generated for this deployment, and the HTTP front door needs an API
+    key (generated unless given) written to `<log_dir>/api_key`. Once ready, a supervisor restarts any scheduler
+    or engine that exits with an error, after a back-off that doubles per restart up to `max_backoff_s`.
+    """
 
     model: str
     instances: list[InstanceLayout]
     host: str = "127.0.0.1"
     http_port: int | None = None
     timing: Timing = field(default_factory=Timing)
-    curve: bool = False
     max_retries: int = 1
     log_dir: Path | None = None
+    api_key: str | None = None
+    restart: bool = True
+    backoff_s: float = 0.5
+    max_backoff_s: float = 30.0
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
+    restarts: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.http_port = self.http_port or free_port(self.host)
         self.zmq_port = free_port(self.host)
-        self.keys = CurveKeys.generate() if self.curve else None
+        self.keys = CurveKeys.generate()
+        self.api_key = self.api_key or secrets.token_urlsafe(32)
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="coral-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.api_key_file = self.log_dir / "api_key"
+        fd = os.open(self.api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
+        self._argv: dict[str, list[str]] = {}
+        self._stopping = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     @property
     def coordinator(self) -> str:
@@ -124,11 +169,15 @@ class LocalDeployment:
         return f"http://{self.host}:{self.http_port}"
 
     def _spawn(self, name: str, argv: list[str]) -> None:
-        env = {"OMP_NUM_THREADS": "1", **(self.keys.env() if self.keys else {})}
-        proc = _process_context().Process(target=_child, args=(argv, str(self.log_dir / f"{name}.log"), env),
-                                          name=name, daemon=True)
+        # Secrets travel in the environment, never on a command line that `ps` shows.
+        env = {"OMP_NUM_THREADS": "1", **self.keys.env(), ENV_API_KEY: self.api_key}
+        log_path = self.log_dir / f"{name}.log"
+        if name not in self.procs:
+            log_path.unlink(missing_ok=True)
+        proc = _process_context().Process(target=_child, args=(argv, str(log_path), env, os.getpid()), name=name, daemon=True)
         proc.start()
         self.procs[name] = proc
+        self._argv[name] = argv
 
     def start(self) -> None:
         """Launch the coordinator, then each instance's scheduler and engine nodes."""
@@ -153,7 +202,7 @@ class LocalDeployment:
         return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s)
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Block until every instance is registered and ready; raises naming processes that died."""
+        """Block until every instance is registered and ready, then supervise; raises naming processes that died."""
         deadline = time.monotonic() + timeout_s
         with self.client(timeout_s=2.0) as c:
             while True:
@@ -162,14 +211,36 @@ class LocalDeployment:
                     raise CoralError(f"processes exited during start-up: {dead}; logs in {self.log_dir}.",
                                      "read those logs; the first error names the fix")
                 try:
-                    return c.wait_ready(len(self.instances), timeout_s=min(1.0, deadline - time.monotonic()))
+                    status = c.wait_ready(len(self.instances), timeout_s=min(1.0, deadline - time.monotonic()))
+                    break
                 except CoralError:
                     if time.monotonic() > deadline:
                         raise
+        if self.restart and self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="coral-supervisor", daemon=True)
+            self._supervisor.start()
+        return status
+
+    def _supervise(self, poll_s: float = 0.1) -> None:
+        """Restart schedulers and engines that exit with an error (a clean exit, as after a drain, stays down)."""
+        due: dict[str, float] = {}
+        while not self._stopping.wait(poll_s):
+            now = time.monotonic()
+            for name, proc in list(self.procs.items()):
+                if name == "coordinator" or proc.exitcode in (None, 0):
+                    continue
+                if name not in due:
+                    n = self.restarts.get(name, 0)
+                    due[name] = now + min(self.max_backoff_s, self.backoff_s * 2 ** n)
+                    log.warning("%s exited with %s; restarting in %.1f s", name, proc.exitcode, due[name] - now)
+                elif now >= due[name]:
+                    del due[name]
+                    self.restarts[name] = self.restarts.get(name, 0) + 1
+                    self._spawn(name, self._argv[name])
 
     def info(self) -> dict[str, Any]:
         return {"http": self.http_url, "coordinator": self.coordinator, "log_dir": str(self.log_dir),
-                "curve": self.curve, "pids": {n: p.pid for n, p in self.procs.items()},
+                "curve": True, "api_key_file": str(self.api_key_file), "pids": {n: p.pid for n, p in self.procs.items()},
                 "instances": [{"instance": i.name, "phase": i.phase, "split": list(i.split)} for i in self.instances]}
 
     def alive(self, name: str) -> bool:
@@ -182,6 +253,9 @@ class LocalDeployment:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`."""
+        self._stopping.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
         for p in self.procs.values():
             if p.is_alive():
                 p.terminate()

@@ -13,7 +13,7 @@ import zmq
 
 from coral_dagster.runtime import wire
 from coral_dagster.runtime.config import NodeSettings
-from coral_dagster.runtime.engine import Engine, Step
+from coral_dagster.runtime.engine import Engine, Step, StepOutput
 from coral_dagster.runtime.security import CurveKeys, Security
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class EngineNode:
         self.security = Security(self.ctx, keys, insecure)
         self.data = self.ctx.socket(zmq.PULL)
         self.data.linger = 0
-        bound = self.security.bind(self.data, settings.listen)
+        bound = self.security.bind(self.data, settings.listen, max_bytes=wire.MAX_DATA_BYTES)
         self.address = settings.advertise or bound
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.linger = 0
@@ -77,13 +77,14 @@ class EngineNode:
         self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
                             "data": self.address, "model": s.model, "engine": s.engine})
 
-    def _error(self, rid: str, problem: str) -> None:
+    def _error(self, rid: str, problem: str, status: int | None = None) -> None:
+        """Fail one request on this node; `status` 400 says the request itself is at fault (not retried)."""
         log.warning("node %s request %s: %s", self.s.node, rid, problem)
         self.engine.free(rid)
         self._pending.pop(rid, None)
         self._touched.pop(rid, None)
-        self._to_scheduler({"kind": "error", "rid": rid, "problem": f"node {self.s.node} (stage {self.s.stage}, "
-                            f"layers {self.s.start}:{self.s.end}): {problem}"})
+        self._to_scheduler({"kind": "error", "rid": rid, "status": status, "problem": f"node {self.s.node} "
+                            f"(stage {self.s.stage}, layers {self.s.start}:{self.s.end}): {problem}"})
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Serve until told to stop, the scheduler is gone for `orphan_after_s`, or `stop` is set; says why."""
@@ -157,8 +158,9 @@ class EngineNode:
                 continue
             try:
                 step = self._step(rid, h, arrays[0])
+                self.engine.check_step(step)
             except (KeyError, TypeError, ValueError) as exc:
-                self._error(rid, f"malformed forward message: {exc}")
+                self._error(rid, f"request cannot run: {exc}", 400)
                 continue
             if rid in seen or rid in self._pending:
                 self._error(rid, "two steps of one request in flight at once")
@@ -221,17 +223,24 @@ class EngineNode:
             return
         self.steps_run += 1
         for (h, step), out in zip(batch, outputs):
-            handoff = h.get("handoff")
-            if handoff:
-                self._hand_over(step.rid, handoff)
-            if out.token is not None:
-                self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
-                                    "pos": step.pos + step.n_tokens})
-            else:
-                self._pass_on(h, step, out.hidden)
-            if handoff:
-                self.engine.free(step.rid)
-                self._touched.pop(step.rid, None)
+            try:
+                self._deliver(h, step, out)
+            except Exception as exc:  # noqa: BLE001 - one request's bad route or handoff fails only that request
+                self._error(step.rid, f"could not pass the step on: {exc!r}", 400)
+
+    def _deliver(self, h: dict[str, Any], step: Step, out: StepOutput) -> None:
+        """Send one step's result on: its token to the scheduler, or its activations to the next stage."""
+        handoff = h.get("handoff")
+        if handoff:
+            self._hand_over(step.rid, handoff)
+        if out.token is not None:
+            self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
+                                "pos": step.pos + step.n_tokens})
+        else:
+            self._pass_on(h, step, out.hidden)
+        if handoff:
+            self.engine.free(step.rid)
+            self._touched.pop(step.rid, None)
 
     def _pass_on(self, h: dict[str, Any], step: Step, hidden: np.ndarray) -> None:
         route, stage = h["route"], int(h["stage"]) + 1

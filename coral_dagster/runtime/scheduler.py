@@ -109,7 +109,8 @@ class Scheduler:
         c = self.cfg
         return {"kind": "register", "model": c.model, "phase": c.phase, "tokens_per_s": c.tokens_per_s,
                 "region": c.region, "weight": c.route_weight or c.tokens_per_s,
-                "split": list(c.split), "stages": self._stages()}
+                "split": list(c.split), "stages": self._stages(),
+                "limits": c.limits.message() if c.limits else None}
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Serve until drained, stopped, or the coordinator, once heard, is silent for `orphan_after_s`; says why."""
@@ -200,12 +201,13 @@ class Scheduler:
             if now - r.last_progress > limit:
                 self._fail(rid, f"no progress on instance {self.cfg.instance} for {limit:g} s")
 
-    def _fail(self, rid: str, problem: str) -> None:
+    def _fail(self, rid: str, problem: str, status: int | None = None) -> None:
+        """Fail one request; `status` 4xx says the request itself is at fault, so it is not retried elsewhere."""
         r = self.requests.pop(rid, None)
         if r is None:
             return
         self._free(r)
-        self._to_coord({"kind": "error", "rid": rid, "problem": problem})
+        self._to_coord({"kind": "error", "rid": rid, "problem": problem, "status": status})
 
     def _free(self, r: _Request) -> None:
         by_address = {n.address: n.node for n in self.nodes.values()}
@@ -217,8 +219,8 @@ class Scheduler:
         for ident, h, _ in wire.drain(self.engines, routed=True):
             try:
                 self._on_engine(ident.decode(errors="replace"), h, now)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("dropping a %s message with bad fields from an engine: %s", h["kind"], exc)
+            except Exception as exc:  # noqa: BLE001 - a bad message is dropped, never fatal
+                log.warning("dropping a %s message from an engine: %r", h["kind"], exc)
 
     def _on_engine(self, name: str, h: dict[str, Any], now: float) -> None:
         kind = h["kind"]
@@ -233,7 +235,8 @@ class Scheduler:
         if kind == "token":
             self._token(str(h["rid"]), int(h["token"]), int(h["pos"]), now)
         elif kind == "error":
-            self._fail(str(h["rid"]), str(h["problem"]))
+            status = h.get("status")
+            self._fail(str(h["rid"]), str(h["problem"]), status if isinstance(status, int) else None)
 
     def _hello(self, name: str, h: dict[str, Any], now: float) -> None:
         stage = h.get("stage")
@@ -267,8 +270,14 @@ class Scheduler:
         for _, h, _ in wire.drain(self.coord):
             try:
                 self._on_coordinator(h, now)
-            except (KeyError, TypeError, ValueError) as exc:
-                log.warning("dropping a %s message with bad fields from the coordinator: %s", h["kind"], exc)
+            except Exception as exc:  # noqa: BLE001 - the request fails alone, the instance keeps serving
+                log.warning("failed on a %s message from the coordinator: %r", h["kind"], exc)
+                rid = h.get("rid")
+                if isinstance(rid, str):
+                    self.requests.setdefault(rid, _Request(rid, "failed", [], 0, 0, False))
+                    request_fault = isinstance(exc, (KeyError, TypeError, ValueError, OverflowError))
+                    self._fail(rid, f"instance {self.cfg.instance} could not run the request: {exc!r}",
+                               400 if request_fault else None)
 
     def _on_coordinator(self, h: dict[str, Any], now: float) -> None:
         kind = h["kind"]
@@ -277,6 +286,8 @@ class Scheduler:
             self._to_coord({"kind": "health", "healthy": self.healthy, "problem": ""})
         elif kind == "reregister":
             self.registered = False
+        elif kind == "refused":
+            log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
         elif kind == "drain":
             self._drain.set()
         elif kind == "cancel":

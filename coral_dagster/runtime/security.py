@@ -1,4 +1,4 @@
-"""ZeroMQ CURVE on every TCP socket: one keypair per deployment, delivered to each node as environment secrets."""
+"""ZeroMQ CURVE on every TCP socket, loopback included: one keypair per deployment, delivered as environment secrets."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime.wire import MAX_MESSAGE_BYTES
+from coral_dagster.runtime.wire import MAX_CONTROL_BYTES
 
 ENV_SECRET_KEY = "CORAL_CURVE_SECRET_KEY"
 ENV_PUBLIC_KEYS = "CORAL_CURVE_PUBLIC_KEYS"
@@ -78,7 +78,8 @@ class _AllowList:
 
 
 class Security:
-    """Binds and connects sockets of one context: CURVE when keys are given, else loopback only (unless insecure)."""
+    """Binds and connects sockets of one context: CURVE on every TCP socket; without keys only inproc/ipc,
+    unless `insecure` (plain TCP, for a trusted network)."""
 
     def __init__(self, ctx: zmq.Context, keys: CurveKeys | None, insecure: bool = False) -> None:
         self.ctx, self.keys, self.insecure = ctx, keys, insecure
@@ -89,14 +90,17 @@ class Security:
         return self.keys is not None
 
     def _check(self, endpoint: str, verb: str) -> None:
-        if self.keys is None and not self.insecure and not is_local(endpoint):
-            raise CoralError(f"refusing to {verb} {endpoint} without CURVE: traffic would cross the network "
-                             "unauthenticated and in the clear.",
-                             f"set {ENV_SECRET_KEY} (from `coral serve keys`) on every node, or use a loopback "
-                             "address, or pass --insecure on a trusted network")
+        if self.keys is not None or not endpoint.startswith("tcp://"):
+            return
+        if not self.insecure:
+            raise CoralError(f"refusing to {verb} {endpoint} without CURVE: any process that reaches the port could "
+                             "register as an instance, take over a peer's identity or read requests.",
+                             f"set {ENV_SECRET_KEY} (from `coral serve keys`) on every process of the deployment, "
+                             "or pass --insecure on a trusted network")
 
-    def bind(self, sock: zmq.Socket, endpoint: str) -> str:
-        """Bind as a CURVE server admitting only the deployment's keys; returns the bound endpoint."""
+    def bind(self, sock: zmq.Socket, endpoint: str, max_bytes: int = MAX_CONTROL_BYTES) -> str:
+        """Bind as a CURVE server admitting only the deployment's keys, refusing messages over `max_bytes` before
+        they are read; returns the bound endpoint."""
         self._check(endpoint, "listen on")
         if self.keys is not None and endpoint.startswith("tcp://"):
             if self._auth is None:
@@ -106,17 +110,19 @@ class Security:
             sock.curve_secretkey = self.keys.secret
             sock.curve_publickey = self.keys.public
             sock.curve_server = True
-        sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.bind(endpoint)
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
-    def connect(self, sock: zmq.Socket, endpoint: str, server_key: bytes | None = None) -> None:
+    def connect(self, sock: zmq.Socket, endpoint: str, server_key: bytes | None = None,
+                max_bytes: int = MAX_CONTROL_BYTES) -> None:
         """Connect as a CURVE client that only talks to a server holding the deployment's secret."""
         self._check(endpoint, "connect to")
         if self.keys is not None and endpoint.startswith("tcp://"):
             sock.curve_secretkey = self.keys.secret
             sock.curve_publickey = self.keys.public
             sock.curve_serverkey = server_key or self.keys.public
+        sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.connect(endpoint)
 
     def close(self) -> None:

@@ -96,6 +96,7 @@ class TorchEngine(Engine):
                  cpu_threads: int | None = 1) -> None:
         validate_layers(start, end, cfg.n_layers)
         self.cfg, self.start, self.end, self.n_layers, self.vocab = cfg, start, end, cfg.n_layers, cfg.vocab
+        self.max_context = cfg.max_context
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cpu" and cpu_threads:
             # Small CPU matmuls lose more to thread hand-offs than they gain; one thread is several times faster.
@@ -143,11 +144,7 @@ class TorchEngine(Engine):
             have = self.cache_length(s.rid)
             if have != s.pos:
                 raise ValueError(f"request {s.rid}: step at position {s.pos} but {have} positions are cached")
-            if s.tokens is not None and not all(0 <= int(t) < self.vocab for t in s.tokens):
-                raise ValueError(f"request {s.rid}: token ids must lie in [0, {self.vocab})")
-            if s.pos + s.n_tokens > self.cfg.max_context:
-                raise ValueError(f"request {s.rid}: {s.pos + s.n_tokens} positions exceed "
-                                 f"max_context={self.cfg.max_context}")
+            self.check_step(s)
 
     @torch.inference_mode()
     def forward(self, steps: list[Step]) -> list[StepOutput]:

@@ -17,8 +17,13 @@ log = logging.getLogger(__name__)
 
 # Little-endian numeric types only; bfloat16 travels as its uint16 bits.
 ALLOWED_DTYPES = frozenset({"|u1", "|i1", "<u2", "<i2", "<i4", "<i8", "<f2", "<f4", "<f8"})
-MAX_HEADER_BYTES = 1 << 20
-MAX_MESSAGE_BYTES = 1 << 31
+MAX_HEADER_BYTES = 4 << 20
+# ZeroMQ drops a larger frame before allocating it: control sockets carry JSON and token ids, data sockets
+# carry activations and KV caches.
+MAX_CONTROL_BYTES = 8 << 20
+MAX_DATA_BYTES = 1 << 30
+# K and V for every layer of the largest model, with room to spare.
+MAX_FRAMES = 1024
 
 
 class WireError(CoralError):
@@ -46,13 +51,15 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
     """(header, arrays) of a message, checked against its own description; arrays are read-only views."""
     if not frames:
         raise WireError("empty message.", "send a JSON header frame first")
+    if len(frames) > MAX_FRAMES:
+        raise WireError(f"message of {len(frames)} frames exceeds {MAX_FRAMES}.", "send fewer tensors per message")
     raw = bytes(_buffer(frames[0]))
     if len(raw) > MAX_HEADER_BYTES:
         raise WireError(f"header of {len(raw)} bytes exceeds {MAX_HEADER_BYTES}.", "send tensors as raw frames")
     try:
         header = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise WireError(f"header is not JSON ({exc}).", "send a JSON object as the first frame") from None
+    except (ValueError, RecursionError) as exc:
+        raise WireError(f"header is not JSON ({exc!r}).", "send a flat JSON object as the first frame") from None
     if not isinstance(header, dict) or not isinstance(header.get("kind"), str):
         raise WireError("header lacks a string 'kind'.", "send {'kind': ..., ...}")
     descs = header.pop("tensors", [])
