@@ -144,6 +144,20 @@ def test_pipeline_kv_is_the_smallest_workers():
     assert list(res.requests.status) == ["completed" if p + 20 <= room else "exceeds-max-model-len" for p in prompt]
 
 
+def test_data_parallel_nodes_of_one_stage_keep_their_own_kv():
+    """Nodes of one stage are separate pipelines (each request runs on one): each keeps its own KV capacity; a
+    following stage's largest node bounds a data-parallel node as vLLM's minimum bounds its pipeline."""
+    small, large, mid = 3000.0, 50_000.0, 20_000.0
+    one_stage = one_instance("aggregated", (Stage(0, 40, (L40S, L4), (0.5, 0.5)),))
+    w = workload([0.0], 10, 2)
+    out = Engine(one_stage, w, _KvByNode({L40S: large, L4: small})).run()
+    assert [n["kv_capacity_tokens"] for n in out.nodes] == [large, small]
+    h100 = NodeConfig.parse("H100:1")
+    two = one_instance("aggregated", (Stage(0, 20, (L40S, L4), (0.5, 0.5)), Stage(20, 40, (h100,), (1.0,))))
+    out = Engine(two, w, _KvByNode({L40S: large, L4: small, h100: mid})).run()
+    assert [n["kv_capacity_tokens"] for n in out.nodes] == [mid, small, mid]
+
+
 def test_queueing_delay_follows_lindleys_recursion():
     """One request per iteration of a constant service time: each waits until the previous one is done
     (Lindley: start = max(arrival, previous start + service)); queue_ms is start − arrival; served requests/s is

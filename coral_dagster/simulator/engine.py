@@ -12,15 +12,16 @@ first stage.
 
 Chunked prefill follows vLLM's: a prompt longer than a node's token budget is prefilled in chunks over several
 iterations, and a later chunk attends to the KV cache of the prompt's earlier ones (`past_tokens` of the latency
-model), so the chunks of a prompt cost what the whole prompt costs in one pass plus the weights read per chunk.
+model), so the chunks of a prompt cost the whole prompt's attention plus the rest of the layer once per pass.
 
-KV cache follows vLLM's paged allocation: every worker of an instance gets the KV capacity of the smallest (vLLM
-unifies KV blocks per worker to the minimum over its workers); a sequence holds its current context on every node
-of its path, one more token per iteration; admission needs room for the prompt below a small watermark; when growth
-overflows a node, the most recently admitted sequence of that micro-batch is preempted, returns to the front of
-its instance's queue and recomputes its prompt and generated tokens when readmitted. A request longer than its
-instance's `max_model_len` (prompt and output on a decode or aggregated instance, prompt and one token on a
-prefill one) is refused on arrival, as vLLM's server refuses it, and counted as `exceeds-max-model-len`.
+KV cache follows vLLM's paged allocation: every worker of a pipeline gets the KV capacity of the smallest (vLLM
+unifies KV blocks per worker to the minimum over its workers; `_limit_context`); a sequence holds its current
+context on every node of its path, one more token per iteration; admission needs room for the prompt below a small
+watermark; when growth overflows a node, the most recently admitted sequence of that micro-batch is preempted,
+returns to the front of its instance's queue and recomputes its prompt and generated tokens when readmitted. A
+request longer than its instance's `max_model_len` (prompt and output on a decode or aggregated instance, prompt
+and one token on a prefill one) is refused on arrival, as vLLM's server refuses it, and counted as
+`exceeds-max-model-len`.
 
 Routing: a request enters one of its model's prefill or aggregated instances by weighted round-robin
 (`entry_weights`: regions in the share both phases can take there); a prefilled request decodes in its own
@@ -335,14 +336,19 @@ class Engine:
         self.decode_admitted = [np.nan] * n  # when a prefilled request was admitted by its decode instance
 
     def _limit_context(self, inst: _Instance) -> None:
-        """vLLM's KV rule: every worker of the instance holds as many KV tokens as the smallest one; and the
-        instance's `max_model_len`, which that cache must hold below the watermark."""
-        nodes = [n for row in inst.stages for n in row]
-        cap = min(n.kv_cap for n in nodes)
-        for n in nodes:
-            n.kv_cap = cap
-            n.kv_admit = cap * (1.0 - self.cfg.kv_watermark)
-        room = math.floor(nodes[0].kv_admit) if math.isfinite(cap) else math.inf
+        """vLLM's KV rule, per pipeline: every worker holds as many KV tokens as the smallest worker of its pipeline.
+        A node of a data-parallel stage is limited by each other stage's largest node (some path through it reaches
+        that one), so a one-path instance gets vLLM's minimum over all its workers and a one-stage instance keeps
+        every node's own. Then the instance's `max_model_len`, which every node must hold below the watermark."""
+        best = [max(n.kv_cap for n in row) for row in inst.stages]
+        caps = [[min([n.kv_cap] + [b for t, b in enumerate(best) if t != s]) for n in row]
+                for s, row in enumerate(inst.stages)]
+        for row, row_caps in zip(inst.stages, caps):
+            for n, cap in zip(row, row_caps):
+                n.kv_cap = cap
+                n.kv_admit = cap * (1.0 - self.cfg.kv_watermark)
+        low = min(n.kv_admit for row in inst.stages for n in row)
+        room = math.floor(low) if math.isfinite(low) else math.inf
         want = self.cfg.max_model_len
         if want is not None and want > room:
             raise CoralError(
