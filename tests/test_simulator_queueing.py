@@ -12,6 +12,7 @@ from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.simulator import ConstantLatencyModel, Engine, SimConfig, Workload
+from coral_dagster.simulator.engine import FAILURES
 from coral_dagster.simulator.result import ModelSlo, build_result
 from coral_dagster.templates.types import Stage, Template
 
@@ -152,7 +153,7 @@ def test_nothing_is_lost():
     c = res.counts
     assert c["routed"] + c["no-instance"] == c["arrivals"] == n
     assert c["no-instance"] == int((idx == 1).sum())
-    assert sum(c[k] for k in ("completed", "no-instance", "exceeds-max-model-len", "no-decode-instance", "unfinished")) == n
+    assert sum(c[k] for k in FAILURES) == n
     assert c["exceeds-max-model-len"] == int(((prompt >= 30_000) & (idx == 0)).sum()) > 0
     assert c["completed"] == n - c["no-instance"] - c["exceeds-max-model-len"]
     done = res.requests[res.requests.status == "completed"]

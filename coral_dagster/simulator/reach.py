@@ -1,4 +1,4 @@
-"""One serving template alone in the simulator at a share of its T̂ under Poisson arrivals: the SLO attainment it reaches."""
+"""One serving template alone in the simulator at a share of its T̂, Poisson arrivals: the SLO attainment it gets."""
 
 from __future__ import annotations
 

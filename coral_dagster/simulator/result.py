@@ -147,7 +147,8 @@ def build_result(out: EngineOutput, workload: Workload, slos: dict[str, ModelSlo
     requests = pd.DataFrame({
         "model": model, "arrival_s": arrival, "prompt_tokens": workload.prompt_tokens,
         "output_tokens": workload.output_tokens, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms,
-        "queue_ms": (out.scheduled_s - arrival) * 1000.0, "decode_queue_ms": (out.decode_admitted_s - out.ttft_s) * 1000.0,
+        "queue_ms": (out.scheduled_s - arrival) * 1000.0,
+        "decode_queue_ms": (out.decode_admitted_s - out.ttft_s) * 1000.0,
         "status": np.array(FAILURES, dtype=object)[out.status] if len(workload) else np.empty(0, object),
         "routed": out.routed, "preemptions": out.preemptions, "met_slo": met,
     })
