@@ -50,7 +50,9 @@ class Candidate:
 
 def entry_weights(candidates: Iterable[Candidate]) -> dict[Hashable, float]:
     """Entry weight per prefill or aggregated candidate: a prefill one scaled by its region's decode/prefill ratio
-    (capped at 1), so a region takes no more of a model's requests than its decode can finish."""
+    (capped at 1), so a region takes no more of a model's requests than its decode can finish. A model with no
+    decode candidate anywhere is prefill-only (a template measured alone): its prefill weights stay, and its
+    requests end after their first token."""
     cands = list(candidates)
     pre: dict[str, float] = {}
     dec: dict[str, float] = {}
@@ -64,7 +66,7 @@ def entry_weights(candidates: Iterable[Candidate]) -> dict[Hashable, float]:
         if c.phase == "aggregated":
             out[c.key] = c.weight
         elif c.phase == "prefill" and pre[c.region] > 0:
-            out[c.key] = c.weight * min(1.0, dec.get(c.region, 0.0) / pre[c.region])
+            out[c.key] = c.weight * (min(1.0, dec.get(c.region, 0.0) / pre[c.region]) if dec else 1.0)
     return out
 
 
@@ -91,8 +93,9 @@ class Router:
         return any(w > 0 for w in entry_weights(c for c in candidates if c.model == model).values())
 
     def route(self, model: str, candidates: Sequence[Candidate]) -> tuple[Candidate, Candidate | None] | None:
-        """The entry instance and, for a prefill entry, the decode instance in its region; None when the model has
-        no live route (no entry instance, or prefill only where no decode is live)."""
+        """The entry instance and, for a prefill entry, the decode instance in its region (None for a prefill-only
+        model); None when the model has no live route (no entry instance, or prefill only where no decode is
+        live while some other region has one)."""
         mine = [c for c in candidates if c.model == model]
         weights = entry_weights(mine)
         if not any(w > 0 for w in weights.values()):
@@ -102,6 +105,8 @@ class Router:
         if entry.phase == "aggregated":
             return entry, None
         local = {c.key: c.weight for c in mine if c.phase == "decode" and c.region == entry.region}
+        if not local:
+            return entry, None
         decode = by_key[self._decode.setdefault((model, entry.region), WeightedRoundRobin()).pick(local)]
         return entry, decode
 

@@ -48,6 +48,11 @@ def test_stored_plan_by_latest_and_by_file(tmp_path):
     assert models["phi-4"]["completed"] == models["phi-4"]["arrivals"] > 0
     assert doc["counts"]["no-instance"] == models["qwen3-32b"]["arrivals"] + models["gpt-oss-20b"]["arrivals"]
     assert doc["cost_usd_per_hour"] == 4.0
+    assert doc["served_requests_per_s"] == doc["counts"]["completed"] / 60
+    assert 0 < doc["end_s"] <= 60 + 600  # the arrival window plus at most the drain limit
+    phi = models["phi-4"]
+    assert phi["served_requests_per_s"] == phi["completed"] / 60
+    assert 0 <= phi["queue_p50_ms"] <= phi["queue_p99_ms"] and phi["decode_queue_mean_ms"] >= 0
     # The file `coral plan --json` prints (plan_id plus instances without stages) resolves through the store.
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps({"plan_id": plan_id, **small_plan().as_dict()}))

@@ -13,30 +13,30 @@ from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.catalog.models import get_model
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
-from coral_dagster.profiles import default_perf_model
-from coral_dagster.simulator import goodput_estimator, simulate_plan, trace_means
+from coral_dagster.simulator import goodput_estimator, simulate_plan
 from coral_dagster.simulator.plots import plot_goodput, plot_latency_cdf
+from coral_dagster.templates.throughput import build_tables, workload_for
 from coral_dagster.templates.types import Stage, Template
 
 
 @pytest.fixture(scope="module")
 def phi4_core():
     """The core scenario cut to Phi-4, and the Coral ILP's cheapest plan over one-node templates whose throughput
-    is the profiles' T̂ at the SLO (decode at the trace's mean prompt + output context)."""
-    perf = default_perf_model()
+    is the library's T̂ for one stage (the scenario's planning rule: SLO margin, prefill utilisation, trace lengths).
+    """
     scn = load_scenario("core")
     sm = scn.model("phi-4")
     scn = dataclasses.replace(scn, models=(sm,))
     layers = get_model("phi-4").n_layers
-    prompt, output = trace_means(sm.trace)
     templates = []
-    for node in scn.node_configs:
-        for phase, slo, ctx in (("prefill", sm.prefill_slo_ms, 0), ("decode", sm.decode_slo_ms, int(prompt + output))):
-            t_hat = perf.t_hat("phi-4", node, phase, layers, slo, context_tokens=ctx)
-            if t_hat.tokens_per_s > 0:
-                templates.append(Template("phi-4", phase, slo, NodeMultiset.of([node]),
-                                          (Stage(0, layers, (node,), (1.0,)),), t_hat.tokens_per_s, t_hat.bound))
-    plan = solve_plan(scenario_problem(scn, templates))
+    for phase in ("prefill", "decode"):
+        tables = build_tables(workload_for(sm, phase, scn.link_gbps), scn.node_configs, 1)
+        for node in scn.node_configs:
+            point = tables.point(1, node, layers)
+            if point.tokens_per_s > 0:
+                templates.append(Template("phi-4", phase, tables.workload.slo_ms, NodeMultiset.of([node]),
+                                          (Stage(0, layers, (node,), (1.0,)),), point.tokens_per_s, point.bound))
+    plan = solve_plan(scenario_problem(scn, templates, burst_aware=False))  # sized for the Poisson arrivals below
     return scn, plan
 
 

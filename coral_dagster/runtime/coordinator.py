@@ -292,7 +292,7 @@ class Coordinator:
                    "ignore_eos": r.ignore_eos}
             self._send(decode, r, msg)
             r.history.append(f"{prefill.name}->{decode.name}")
-        elif entry is not None:
+        elif entry is not None and entry.phase == "aggregated":
             aggregated = self.instances[entry.key]
             r.instances = {"aggregated": aggregated.name}
             self._send(aggregated, r, {"kind": "generate", "rid": r.rid, "tokens": prompt, "max_tokens": left,

@@ -10,10 +10,18 @@ flight (S = stages), a node runs at most one micro-batch of a path per iteration
 paths batch together), and a new sequence joins the smallest micro-batch of its path when it next passes the
 first stage.
 
-KV cache follows vLLM's paged allocation: a sequence holds its current context on every node of its path, one
-more token per iteration; admission needs room for the prompt below a small watermark; when growth overflows a
-node, the most recently admitted sequence of that micro-batch is preempted, returns to the front of its
-instance's queue and recomputes its prompt and generated tokens when readmitted.
+Chunked prefill follows vLLM's: a prompt longer than a node's token budget is prefilled in chunks over several
+iterations, and a later chunk attends to the KV cache of the prompt's earlier ones (`past_tokens` of the latency
+model), so the chunks of a prompt cost the whole prompt's attention plus the rest of the layer once per pass.
+
+KV cache follows vLLM's paged allocation: every worker of a pipeline gets the KV capacity of the smallest (vLLM
+unifies KV blocks per worker to the minimum over its workers; `_limit_context`); a sequence holds its current
+context on every node of its path, one more token per iteration; admission needs room for the prompt below a small
+watermark; when growth overflows a node, the most recently admitted sequence of that micro-batch is preempted,
+returns to the front of its instance's queue and recomputes its prompt and generated tokens when readmitted. A
+request longer than its instance's `max_model_len` (prompt and output on a decode or aggregated instance, prompt
+and one token on a prefill one) is refused on arrival, as vLLM's server refuses it, and counted as
+`exceeds-max-model-len`.
 
 Routing is `coral_dagster.routing`, the policy the runtime coordinator runs: at arrival a request gets its entry
 instance and, for a prefill entry, the decode instance in the same region.
@@ -46,7 +54,7 @@ _TOKEN_ID_BYTES = 8
 
 # How each request ended; index into FAILURES.
 OK, NO_INSTANCE, TOO_LONG, NO_DECODE, UNFINISHED = 0, 1, 2, 3, 4
-FAILURES = ("completed", "no-instance", "exceeds-kv", "no-decode-instance", "unfinished")
+FAILURES = ("completed", "no-instance", "exceeds-max-model-len", "no-decode-instance", "unfinished")
 
 
 @dataclass(frozen=True)
@@ -69,6 +77,9 @@ class SimConfig:
     """One-way latency added to a transfer between regions."""
     kv_watermark: float = 0.01
     """Share of each node's KV cache admission leaves free for running sequences to grow into (vLLM's)."""
+    max_model_len: int | None = None
+    """Longest request (prompt + output tokens) an instance takes (vLLM `max_model_len`); it must fit the
+    instance's KV cache below the watermark, as vLLM refuses to start otherwise. None: all of that cache."""
 
 
 # Bounds of the automatic prefill token budget, and the prompt length it is sized at (the profiles' default).
@@ -146,7 +157,7 @@ class _Node:
         self.max_running = max_running
         self.chunk_tokens = _MIN_CHUNK_TOKENS
         self.ready_groups: list[_Group] = []
-        self.ready_chunks: list[tuple[int, int, bool]] = []
+        self.ready_chunks: list[tuple[int, int, bool, int]] = []  # request, tokens, last, past
         self.pq: deque[list[int]] = deque()
         self.busy = False
         self.start_pending = False
@@ -163,7 +174,7 @@ class _Node:
 
 class _Instance:
     __slots__ = ("idx", "model", "phase", "region", "template_id", "usd_per_hour", "weight", "n_stages", "stages",
-                 "pickers", "queue", "single_path", "paths", "batches", "candidate", "routed")
+                 "pickers", "queue", "single_path", "paths", "batches", "candidate", "routed", "max_model_len")
 
     def __init__(self, idx, model, phase, region, template_id, usd_per_hour, weight, n_stages):
         self.idx, self.model, self.phase, self.region = idx, model, phase, region
@@ -175,6 +186,7 @@ class _Instance:
         self.single_path = True
         self.paths: dict[tuple[_Node, ...], tuple[_Node, ...]] = {}
         self.batches: dict[int, list[_Group]] = {}
+        self.max_model_len = math.inf
 
     def path(self) -> tuple[_Node, ...]:
         """The scheduler's choice: one node per stage, weighted round-robin by share (one tuple per distinct path,
@@ -213,6 +225,8 @@ class EngineOutput:
 
     ttft_s: np.ndarray
     finish_s: np.ndarray
+    scheduled_s: np.ndarray
+    decode_admitted_s: np.ndarray
     status: np.ndarray
     routed: np.ndarray
     preemptions: np.ndarray
@@ -259,6 +273,7 @@ class Engine:
                     inst.stages.append(row)
                     inst.pickers.append(_Stride(stage.shares))
                 inst.single_path = all(len(r) == 1 for r in inst.stages)
+                self._limit_context(inst)
                 self.instances.append(inst)
         self.router = Router()
         self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
@@ -281,6 +296,30 @@ class Engine:
         self.adm_order = [0] * n
         self.preempted = [0] * n
         self.admissions = 0
+        self.scheduled = [np.nan] * n  # when the first chunk of the prompt started on the entry instance
+        self.decode_admitted = [np.nan] * n  # when a prefilled request was admitted by its decode instance
+
+    def _limit_context(self, inst: _Instance) -> None:
+        """vLLM's KV rule, per pipeline: every worker holds as many KV tokens as the smallest worker of its pipeline.
+        A node of a data-parallel stage is limited by each other stage's largest node (some path through it reaches
+        that one), so a one-path instance gets vLLM's minimum over all its workers and a one-stage instance keeps
+        every node's own. Then the instance's `max_model_len`, which every node must hold below the watermark."""
+        best = [max(n.kv_cap for n in row) for row in inst.stages]
+        caps = [[min([n.kv_cap] + [b for t, b in enumerate(best) if t != s]) for n in row]
+                for s, row in enumerate(inst.stages)]
+        for row, row_caps in zip(inst.stages, caps):
+            for n, cap in zip(row, row_caps):
+                n.kv_cap = cap
+                n.kv_admit = cap * (1.0 - self.cfg.kv_watermark)
+        low = min(n.kv_admit for row in inst.stages for n in row)
+        room = math.floor(low) if math.isfinite(low) else math.inf
+        want = self.cfg.max_model_len
+        if want is not None and want > room:
+            raise CoralError(
+                f"max_model_len {want} exceeds the {room} KV tokens instance {inst.idx} ({inst.template_id}, "
+                f"{inst.model} {inst.phase}) holds below the watermark: vLLM would not start it.",
+                f"lower max_model_len to at most {room}, or leave it unset to take the whole KV cache.")
+        inst.max_model_len = room if want is None else want
 
     def run(self) -> EngineOutput:
         t0 = time.perf_counter()
@@ -328,8 +367,8 @@ class Engine:
 
     def _enqueue(self, inst: _Instance, r: int, now: float, out: list) -> None:
         path = inst.path()
-        need = self.prompt[r] if inst.phase == "prefill" else self.prompt[r] + self.output[r]
-        if any(n.kv_admit < need for n in path):  # could never be admitted, or would preempt itself forever
+        need = self.prompt[r] + (1 if inst.phase == "prefill" else self.output[r])
+        if need > inst.max_model_len:
             self.status[r] = TOO_LONG
             self._release_prefill(r, now, out)
             return
@@ -364,13 +403,15 @@ class Engine:
             self.admissions += 1
             self.adm_order[r] = self.admissions
             head = path[0]
+            # A prefill item is [request, tokens left, tokens done]; done ones are the past later chunks attend to.
             if redo >= 0:
-                head.pq.append([r, need - 1])  # recompute the prompt and the tokens generated before preemption
+                head.pq.append([r, need - 1, 0])  # recompute the prompt and the tokens generated before preemption
                 self._wake(head, now, out)
             elif inst.phase == "decode":
+                self.decode_admitted[r] = now
                 out.append((self._kv_transfer(r, path, now), PRIO_TRANSFER, self._kv_landed, r))
             else:
-                head.pq.append([r, self.prompt[r]])
+                head.pq.append([r, self.prompt[r], 0])
                 self._wake(head, now, out)
 
     def _wake(self, node: _Node, now: float, out: list) -> None:
@@ -504,6 +545,7 @@ class Engine:
             budget = node.chunk_tokens - batch
             seqs = self.cfg.max_batch_seqs - batch
             pq = node.pq
+            scheduled = self.scheduled
             while pq and budget > 0 and seqs > 0:
                 item = pq[0]
                 take_tokens = item[1] if item[1] <= budget else budget
@@ -513,20 +555,25 @@ class Engine:
                 last = item[1] == 0
                 if last:
                     pq.popleft()
-                chunks.append((item[0], take_tokens, last))
+                r = item[0]
+                chunks.append((r, take_tokens, last, item[2]))
+                item[2] += take_tokens
+                if scheduled[r] != scheduled[r]:  # NaN: the prompt's first chunk
+                    scheduled[r] = now
         tokens = 0
-        prompt_tokens = 0
-        prompt = self.prompt
+        square_tokens = 0
+        past_tokens = 0
         for c in chunks:
             tokens += c[1]
-            prompt_tokens += prompt[c[0]] * c[1]
+            square_tokens += c[1] * c[1]
+            past_tokens += c[1] * c[3]
         if not batch and not tokens:
             node.busy = False
             return None
         lat = node.lat
         dt_ms = lat.decode_ms(batch, ctx) if batch else 0.0
-        if tokens:
-            dt_ms += lat.prefill_ms(tokens, prompt_tokens // tokens)
+        if tokens:  # token-weighted chunk length and past (exact pair counts for full attention)
+            dt_ms += lat.prefill_ms(tokens, square_tokens // tokens, past_tokens / tokens)
         node.busy = True
         node.busy_ms += dt_ms
         node.iterations += 1
@@ -542,7 +589,7 @@ class Engine:
             freed: dict = {}  # ordered, so admission retries run in a reproducible order
             for g in groups:
                 self._cycle(g, node, now, out, freed)
-            for r, _, last in chunks:
+            for r, _, last, _ in chunks:
                 if last:
                     self._prefilled(r, node, now, out, freed)
             for inst in freed:
@@ -642,6 +689,10 @@ class Engine:
             self._join(path, r, self.output[r] - 1, tail, now, out)
             return
         self.prefill_path[r] = path
+        if self.decode_of[r] is None:
+            self.status[r] = NO_DECODE
+            self._release_prefill(r, now, out)
+            return
         self._enqueue(self.decode_of[r], r, now, out)
 
     def _finish(self, r: int, now: float, freed: dict, kv_tokens: float) -> None:
@@ -667,8 +718,9 @@ class Engine:
             "preemptions": n.preemptions,
         } for n in self.nodes]
         instances = [{"instance": i.idx, "template_id": i.template_id, "model": i.model, "phase": i.phase,
-                      "region": i.region, "usd_per_hour": i.usd_per_hour, "key": i.candidate.key,
-                      "routed_requests": i.routed} for i in self.instances]
+                      "region": i.region, "usd_per_hour": i.usd_per_hour, "max_model_len": i.max_model_len,
+                      "key": i.candidate.key, "routed_requests": i.routed} for i in self.instances]
         return EngineOutput(np.array(self.ttft, dtype=float), np.array(self.finish, dtype=float),
+                            np.array(self.scheduled, dtype=float), np.array(self.decode_admitted, dtype=float),
                             np.array(self.status, dtype=np.int8), np.array(self.routed, dtype=bool),
                             np.array(self.preempted, dtype=np.int32), nodes, instances, end_s, events, wall_s)

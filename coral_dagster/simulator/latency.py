@@ -14,8 +14,9 @@ class StageLatency(Protocol):
 
     kv_capacity_tokens: float
 
-    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
-        """One forward pass over `tokens` prompt tokens (from prompts of `seq_tokens` on average)."""
+    def prefill_ms(self, tokens: int, seq_tokens: int, past_tokens: float = 0.0) -> float:
+        """One forward pass over `tokens` prompt tokens in chunks of `seq_tokens` (token-weighted mean), each
+        attending also to the `past_tokens` (token-weighted mean) of its prompt that earlier chunks cached."""
 
     def decode_ms(self, batch: int, context_tokens: int) -> float:
         """One decode iteration of `batch` sequences whose contexts sum to `context_tokens`."""
@@ -35,7 +36,7 @@ class ConstantStage:
     decode_iteration_ms: float
     kv_capacity_tokens: float = float("inf")
 
-    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
+    def prefill_ms(self, tokens: int, seq_tokens: int, past_tokens: float = 0.0) -> float:
         return self.prefill_iteration_ms
 
     def decode_ms(self, batch: int, context_tokens: int) -> float:
@@ -80,7 +81,14 @@ _SEQ = _Grid(8)
 @dataclass
 class ProfileStage:
     """A stage timed by the profile performance model, cached on grids and interpolated linearly: decode per
-    exact batch over mean context; prefill over batch tokens and mean prompt length."""
+    exact batch over mean context; prefill over batch tokens and chunk length.
+
+    A chunk of c tokens whose prompt already has a tokens cached costs its fresh cost plus the attention the
+    model charges a whole prompt beyond its parts: A(a + c) − A(a) − A(c), where A(x) = W(x) − M(x) is the model's
+    whole-prompt time W of x tokens less its time M for x tokens in one-token prompts (no attention to speak of),
+    sliding-window layers included. The chunks c_1..c_k of a prompt of P tokens thus cost Σ M(c_i) + A(P): the
+    whole prompt's attention, and the rest of the layer once per pass.
+    """
 
     perf: object
     spec: object
@@ -99,12 +107,24 @@ class ProfileStage:
             ms = self._prefill[key] = self.perf.prefill_ms_per_layer(self.spec, self.node, tokens, seq) * self.layers
         return ms
 
-    def prefill_ms(self, tokens: int, seq_tokens: int) -> float:
+    def _fresh_ms(self, tokens: float, seq_tokens: float) -> float:
         ti, tw = _TOKENS.bracket(tokens)
         si, sw = _SEQ.bracket(seq_tokens)
         at = self._prefill_at
         return ((1 - tw) * ((1 - sw) * at(ti, si) + sw * at(ti, si + 1))
                 + tw * ((1 - sw) * at(ti + 1, si) + sw * at(ti + 1, si + 1)))
+
+    def _attention_ms(self, prompt_tokens: float) -> float:
+        """A(x): what a whole prompt of x tokens costs beyond x tokens of one-token prompts."""
+        return self._fresh_ms(prompt_tokens, prompt_tokens) - self._fresh_ms(prompt_tokens, 1)
+
+    def prefill_ms(self, tokens: int, seq_tokens: int, past_tokens: float = 0.0) -> float:
+        fresh = self._fresh_ms(tokens, seq_tokens)
+        if past_tokens <= 0:
+            return fresh
+        attention = self._attention_ms
+        gain = attention(past_tokens + seq_tokens) - attention(past_tokens) - attention(seq_tokens)
+        return fresh + max(gain, 0.0) * tokens / seq_tokens
 
     def _decode_at(self, batch: int, ci: int) -> float:
         key = (batch, ci)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from coral_dagster.simulator.engine import FAILURES, OK, EngineOutput
+from coral_dagster.simulator.engine import FAILURES, OK, TOO_LONG, EngineOutput
 from coral_dagster.simulator.workload import Workload
 
 PERCENTILES = (50, 90, 99)
@@ -26,7 +26,10 @@ class ModelSlo:
 class SimResult:
     """One run's measurements. A request meets its SLO when it completes with TTFT ≤ the prefill SLO and mean
     TPOT ≤ the decode SLO; goodput counts the prompt plus output tokens of those requests per second of the
-    arrival window. Requests that fail (no instance, too long for KV, unfinished at the drain limit) miss."""
+    arrival window. Requests that fail (no instance, longer than max_model_len, unfinished at the drain limit)
+    miss. Queueing delay is vLLM's queue time: from arrival to the first prefill chunk's start on the entry
+    instance (`queue_ms`), and for a prefilled request from its first token to its decode instance admitting it
+    (`decode_queue_ms`)."""
 
     scenario: str
     method: str
@@ -62,6 +65,11 @@ class SimResult:
     def offered_tokens_per_s(self) -> float:
         """Prompt plus output tokens of every arrival, per second of the arrival window."""
         return float(self.requests.prompt_tokens.sum() + self.requests.output_tokens.sum()) / self.duration_s
+
+    @property
+    def served_requests_per_s(self) -> float:
+        """Completed requests per second of the arrival window."""
+        return float((self.requests.status == FAILURES[OK]).sum()) / self.duration_s
 
     @property
     def served_tokens(self) -> int:
@@ -111,6 +119,7 @@ class SimResult:
             "offered_tokens_per_s": self.offered_tokens_per_s,
             "cost_usd_per_hour": self.cost_usd_per_hour, "usd_per_million_tokens": self.usd_per_million_tokens,
             "usd_per_million_goodput_tokens": self.usd_per_million_goodput_tokens,
+            "served_requests_per_s": self.served_requests_per_s, "end_s": self.end_s,
             "counts": self.counts, "events": self.events, "wall_s": self.wall_s,
             "requests_per_wall_s": len(self.requests) / self.wall_s if self.wall_s else None,
             "models": self.by_model.to_dict(orient="records"),
@@ -138,6 +147,8 @@ def build_result(out: EngineOutput, workload: Workload, slos: dict[str, ModelSlo
     requests = pd.DataFrame({
         "model": model, "arrival_s": arrival, "prompt_tokens": workload.prompt_tokens,
         "output_tokens": workload.output_tokens, "ttft_ms": ttft_ms, "tpot_ms": tpot_ms, "e2e_ms": e2e_ms,
+        "queue_ms": (out.scheduled_s - arrival) * 1000.0,
+        "decode_queue_ms": (out.decode_admitted_s - out.ttft_s) * 1000.0,
         "status": np.array(FAILURES, dtype=object)[out.status] if len(workload) else np.empty(0, object),
         "routed": out.routed, "preemptions": out.preemptions, "met_slo": met,
     })
@@ -155,11 +166,16 @@ def build_result(out: EngineOutput, workload: Workload, slos: dict[str, ModelSlo
                "attainment": float(sub.met_slo.mean()) if len(sub) else 1.0,
                "goodput_tokens_per_s": float((good.prompt_tokens + good.output_tokens).sum()) / workload.duration_s,
                "throughput_tokens_per_s": float((done.prompt_tokens + done.output_tokens).sum()) / workload.duration_s,
+               "served_requests_per_s": len(done) / workload.duration_s,
+               "exceeds_max_model_len": int((sub.status == FAILURES[TOO_LONG]).sum()),
                "preemptions": int(sub.preemptions.sum())}
-        for col in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        for col in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "decode_queue_ms"):
             values = done[col].to_numpy()
+            values = values[~np.isnan(values)]
             for p in PERCENTILES:
                 row[f"{col[:-3]}_p{p}_ms"] = float(np.percentile(values, p)) if len(values) else float("nan")
+            if col.endswith("queue_ms"):
+                row[f"{col[:-3]}_mean_ms"] = float(values.mean()) if len(values) else float("nan")
         mine = nodes[nodes.model == name] if len(nodes) else nodes
         row["nodes"] = len(mine)
         row["mean_busy_fraction"] = float(mine.busy_fraction.mean()) if len(mine) else 0.0
