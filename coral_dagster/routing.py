@@ -134,3 +134,39 @@ def plan_shares(plan) -> dict[str, dict[str, float]]:
     """Per model, the share of its requests each region receives under this policy."""
     cands = plan_candidates(plan)
     return {m: region_shares([c for c in cands if c.model == m]) for m in sorted({c.model for c in cands})}
+
+
+class Admission:
+    """Admission control under scarcity: a token bucket per model at the request rate the plan serves, holding
+    `burst_s` seconds of it (full at the start); a request that finds the bucket empty is shed at once (the front
+    door answers 429 with Retry-After), so the admitted ones keep their SLO. Models without a rate are always
+    admitted."""
+
+    def __init__(self, rates_req_s: Mapping[str, float], burst_s: float = 10.0) -> None:
+        self.rates = {m: float(r) for m, r in rates_req_s.items() if r >= 0}
+        self.burst_s = burst_s
+        self._tokens = {m: max(1.0, r * burst_s) for m, r in self.rates.items()}
+        self._last: dict[str, float] = {}
+
+    def _refill(self, model: str, now_s: float) -> float:
+        rate = self.rates[model]
+        cap = max(1.0, rate * self.burst_s)
+        last = self._last.get(model, now_s)
+        self._tokens[model] = min(cap, self._tokens[model] + max(0.0, now_s - last) * rate)
+        self._last[model] = max(last, now_s)
+        return self._tokens[model]
+
+    def admit(self, model: str, now_s: float) -> bool:
+        """Take one request's token if the model's bucket has one."""
+        if model not in self.rates:
+            return True
+        if self._refill(model, now_s) >= 1.0:
+            self._tokens[model] -= 1.0
+            return True
+        return False
+
+    def retry_after_s(self, model: str, now_s: float) -> float:
+        """Seconds until the model's bucket holds a token again."""
+        rate = self.rates.get(model, 0.0)
+        missing = 1.0 - self._refill(model, now_s) if model in self.rates else 0.0
+        return max(0.0, missing) / rate if rate > 0 else 60.0

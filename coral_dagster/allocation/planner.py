@@ -139,3 +139,17 @@ def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
     how = f"{cg.groups} independent groups" if cg.decomposed else "one coupled problem"
     return (f"LP relaxation by column generation: {cg.lp_columns} of {n_columns} columns, {cg.lp_rounds} rounds; "
             f"ILP ({how}) over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest {rest})")
+
+
+def with_admission(plan: Plan, rates: Mapping[str, float]) -> Plan:
+    """The plan with admission rates for the models it serves less than their demand of: the request rate times
+    the share of both phases it serves (`routing.Admission` sheds the rest)."""
+    from dataclasses import replace
+
+    served = plan.served_fraction()
+    admit = {}
+    for model, rate in rates.items():
+        share = min([served.get((model, p), 1.0) for p in ("prefill", "decode")])
+        if share < 1.0 - 1e-9:
+            admit[model] = rate * share
+    return replace(plan, admit_req_s=admit) if admit else plan

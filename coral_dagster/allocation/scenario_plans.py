@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from coral_dagster.allocation.inputs import scenario_problem, scenario_templates
+from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_templates
+from coral_dagster.allocation.planner import with_admission
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
@@ -49,4 +50,5 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
         templates = library_templates(scn, db_path)
     problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
                                running=running.counts() if running else None, burst_aware=burst_aware)
-    return make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)
+    return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
+                          scenario_rates(scn, demand_mix))

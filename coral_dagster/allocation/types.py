@@ -91,6 +91,9 @@ class Plan:
     timings_s: Mapping[str, float] = field(default_factory=dict)
     plan_id: str = ""
     capacity_factors: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    admit_req_s: Mapping[str, float] = field(default_factory=dict)
+    expected_attainment: Mapping[str, float] = field(default_factory=dict)
+    expected_from: str = ""
 
     @property
     def routing_shares(self) -> dict[str, dict[str, float]]:
@@ -158,6 +161,8 @@ class Plan:
                        for (m, p), d in sorted(self.demand_tokens_per_s.items())},
             "routing_shares": self.routing_shares,
             "capacity_factors": {f"{m}/{p}": f for (m, p), f in sorted(self.capacity_factors.items())},
+            "admit_req_s": dict(self.admit_req_s),
+            "expected_attainment": dict(self.expected_attainment), "expected_from": self.expected_from or None,
             "bottlenecks": [b.as_dict() for b in self.bottlenecks],
             "pruning": dict(self.pruning) if self.pruning else None,
             "timings_s": dict(self.timings_s),

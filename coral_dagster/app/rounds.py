@@ -10,6 +10,7 @@ import pandas as pd
 
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import make_plan
+from coral_dagster.allocation.planner import with_admission
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.app.plans import find_plan
@@ -71,9 +72,13 @@ class PlanRound:
 
 
 def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarcity: str | None = None,
-               time_limit_s: float = 30.0, run_id: str | None = None) -> PlanRound:
+               time_limit_s: float = 30.0, run_id: str | None = None, closed_loop: bool = False,
+               loop_rounds: int = 3, loop_simulate_s: float = 300.0) -> PlanRound:
     """Plan from the stored library, newest snapshot and newest demand; churn is priced against the newest plan
-    of the same method. The plan is written in one transaction; a failure writes nothing."""
+    of the same method. With `closed_loop`, the plan is simulated on each model's own trace and re-planned with
+    more capacity for models that fall short (`app.closed_loop`). A plan that serves less than the demand admits
+    per model only the request rate it serves (`admit_req_s`). The plan is written in one transaction; a failure
+    writes nothing."""
     templates = load_library(store, scenario)
     if not templates:
         raise CoralError(f"no templates of scenario {scenario.name} are stored in {store.path}.",
@@ -81,11 +86,23 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
                          f"`coral templates build --scenario {scenario.name}`.")
     demand_id, rates = latest_demand(store, scenario)
     running = find_plan(store, scenario.name, method)
-    problem = scenario_problem(scenario, templates, latest_snapshot(store, scenario.name), rates=rates,
-                               running=running.counts() if running else None)
-    plan = make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s)
+    snapshot = latest_snapshot(store, scenario.name)
+
+    def make(boost):
+        problem = scenario_problem(scenario, templates, snapshot, rates=rates,
+                                   running=running.counts() if running else None, boost=boost)
+        return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
+                              rates), problem
+
+    plan, problem = make({})
+    if closed_loop:
+        from coral_dagster.app.closed_loop import closed_loop as loop
+
+        plan, _ = loop(lambda boost: make(boost)[0], scenario, rates, rounds=loop_rounds,
+                       simulate_s=loop_simulate_s)
     inputs = {"demand_id": demand_id, "snapshot_id": problem.snapshot_id, "templates": len(templates),
-              "running_plan": bool(running), "scarcity": scarcity}
+              "running_plan": running.plan_id if running else None, "scarcity": scarcity,
+              "closed_loop": closed_loop}
     plan = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
     create_views(store)
     return PlanRound(plan.plan_id, plan, problem, demand_id)

@@ -118,18 +118,21 @@ def serve() -> None:
 @_opt("--max-retries", env="MAX_RETRIES", type=int, default=1, show_default=True,
       help="Times a failed request resumes on another instance.")
 @_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
+@_opt("--admit", env="ADMIT", default="",
+      help="Requests/s admitted per model, 'model=rate,…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_insecure
 @_timing_options
 @_json
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
-                    api_key: str | None, insecure: bool, as_json: bool, **kw: Any) -> None:
+                    api_key: str | None, admit: str, insecure: bool, as_json: bool, **kw: Any) -> None:
     """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
-    from coral_dagster.runtime.config import CoordinatorConfig
+    from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
     from coral_dagster.runtime.coordinator import Coordinator
 
     _setup_logging()
     cfg = CoordinatorConfig(listen=listen, http_host=http_host, http_port=None if http_port < 0 else http_port,
-                            models=models, max_retries=max_retries, api_key=api_key, timing=_timing(kw))
+                            models=models, max_retries=max_retries, api_key=api_key, timing=_timing(kw),
+                            admit_req_s=parse_admit(admit))
     coord = Coordinator(cfg, keys=_keys(), insecure=insecure)
     stop = threading.Event()
     _stop_on_signals(stop)

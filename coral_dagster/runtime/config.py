@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 
 from coral_dagster.errors import CoralError
@@ -73,6 +75,8 @@ class CoordinatorConfig:
     # Clients must send `Authorization: Bearer <api_key>` when set (OpenAI clients' `api_key`).
     api_key: str | None = None
     timing: Timing = field(default_factory=Timing)
+    # Requests/s admitted per model (a plan under scarcity); the rest are shed with 429 (`routing.Admission`).
+    admit_req_s: dict[str, float] = field(default_factory=dict)
     # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
     http_read_timeout_s: float = 10.0
     http_max_body_bytes: int = 4 << 20
@@ -130,3 +134,19 @@ class NodeSettings:
         validate_layers(self.start, self.end, self.n_layers)
         if self.share <= 0:
             raise CoralError(f"{self.share=} must be positive.", "pass the node's share of its stage's load")
+
+
+def parse_admit(text: str) -> dict[str, float]:
+    """`model=rate,…` (requests/s admitted per model) as a dict; empty text admits everything."""
+    out = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        model, sep, rate = part.partition("=")
+        try:
+            value = float(rate)
+        except ValueError:
+            value = math.nan
+        if not sep or not model or not math.isfinite(value) or value < 0:
+            raise CoralError(f"admission entry {part!r} is not model=rate.",
+                             "write e.g. --admit phi-4=4.5,qwen3-32b=2 (requests/s, finite, >= 0)")
+        out[model.strip()] = value
+    return out

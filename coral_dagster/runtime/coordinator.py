@@ -18,7 +18,7 @@ from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_reque
                                           token_ids)
 from coral_dagster.runtime.security import CurveKeys, Security, is_local
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
-from coral_dagster.routing import Candidate, Router
+from coral_dagster.routing import Admission, Candidate, Router
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +94,7 @@ class Coordinator:
         self.requests: dict[str, _Request] = {}
         self.tokenizer = ByteTokenizer()
         self.routing = Router()
+        self.admission = Admission(cfg.admit_req_s)
         self._ids = itertools.count()
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0}
         self.http = None
@@ -271,6 +272,12 @@ class Coordinator:
         r = _Request(f"req-{next(self._ids)}", sock, ident, h.get("tag"), model, prompt, max_tokens,
                      h.get("ignore_eos", False), last_progress=now)
         self.requests[r.rid] = r
+        if not self.admission.admit(model, now):
+            wait_s = self.admission.retry_after_s(model, now)
+            self._finish_error(r, f"model {model} is at the request rate its plan serves "
+                               f"({self.admission.rates[model]:.3g} req/s).", f"retry after {wait_s:.1f} s",
+                               429, type="rate_limited", retry_after_s=wait_s)
+            return
         self._dispatch(r, now)
 
     def _models(self) -> list[str]:

@@ -42,7 +42,7 @@ from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
-from coral_dagster.routing import Candidate, Router, instance_weight
+from coral_dagster.routing import Admission, Candidate, Router, instance_weight
 from coral_dagster.simulator.latency import LatencyModel
 from coral_dagster.simulator.workload import Workload
 
@@ -53,8 +53,8 @@ PRIO_DONE, PRIO_TRANSFER, PRIO_ARRIVAL, PRIO_START = 0, 1, 2, 3
 _TOKEN_ID_BYTES = 8
 
 # How each request ended; index into FAILURES.
-OK, NO_INSTANCE, TOO_LONG, NO_DECODE, UNFINISHED = 0, 1, 2, 3, 4
-FAILURES = ("completed", "no-instance", "exceeds-max-model-len", "no-decode-instance", "unfinished")
+OK, NO_INSTANCE, TOO_LONG, NO_DECODE, UNFINISHED, SHED = 0, 1, 2, 3, 4, 5
+FAILURES = ("completed", "no-instance", "exceeds-max-model-len", "no-decode-instance", "unfinished", "shed")
 
 
 @dataclass(frozen=True)
@@ -276,6 +276,7 @@ class Engine:
                 self._limit_context(inst)
                 self.instances.append(inst)
         self.router = Router()
+        self.admission = Admission(plan.admit_req_s) if plan.admit_req_s else None
         self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
         self.by_key = {i.candidate.key: i for i in self.instances}
         n = len(workload)
@@ -352,6 +353,9 @@ class Engine:
         if nxt < len(self.arrival):
             out.append((self.arrival[nxt], PRIO_ARRIVAL, self._arrive, nxt))
         model = self.model_names[r]
+        if self.admission is not None and not self.admission.admit(model, now):
+            self.status[r] = SHED
+            return out
         route = self.router.route(model, self.candidates[model])
         if route is None:
             self.status[r] = NO_DECODE if self.candidates[model] else NO_INSTANCE

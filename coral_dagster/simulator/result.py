@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from coral_dagster.simulator.engine import FAILURES, OK, TOO_LONG, EngineOutput
+from coral_dagster.simulator.engine import FAILURES, OK, SHED, TOO_LONG, EngineOutput
 from coral_dagster.simulator.workload import Workload
 
 PERCENTILES = (50, 90, 99)
@@ -168,6 +168,9 @@ def build_result(out: EngineOutput, workload: Workload, slos: dict[str, ModelSlo
                "throughput_tokens_per_s": float((done.prompt_tokens + done.output_tokens).sum()) / workload.duration_s,
                "served_requests_per_s": len(done) / workload.duration_s,
                "exceeds_max_model_len": int((sub.status == FAILURES[TOO_LONG]).sum()),
+               "shed": int((sub.status == FAILURES[SHED]).sum()),
+               "admitted_attainment": float(sub[sub.status != FAILURES[SHED]].met_slo.mean())
+               if (sub.status != FAILURES[SHED]).any() else 1.0,
                "preemptions": int(sub.preemptions.sum())}
         for col in ("ttft_ms", "tpot_ms", "e2e_ms", "queue_ms", "decode_queue_ms"):
             values = done[col].to_numpy()
