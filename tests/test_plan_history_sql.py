@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
+
+import pandas as pd
 
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.store import Store
+from coral_dagster.store.duck import write_frame
 from coral_dagster.store.views import create_views
 from coral_dagster.templates.types import Stage, Template
 
@@ -37,7 +41,13 @@ PLAN_B = {("phi-4", "prefill", "aws:us-east-2", "1xL40S:1"): 3, ("qwen3-32b", "d
 def _store(tmp_path) -> tuple[Store, str, str]:
     store = Store(tmp_path / "c.duckdb")
     a = store_plan(store, _plan(PLAN_A), "run-a", {}).plan_id
-    b = store_plan(store, _plan(PLAN_B), "run-b", {}).plan_id
+    expected = {"phi-4": 0.97, "qwen3-32b": 0.95}
+    b = store_plan(store, replace(_plan(PLAN_B), expected_attainment=expected, expected_from="closed loop round 1"),
+                   "run-b", {}).plan_id
+    got = pd.DataFrame([{"plan_id": b, "model": m, "attainment": a_ - 0.01,
+                         "simulated_at": pd.Timestamp("2026-12-01", tz="UTC")} for m, a_ in expected.items()])
+    with store.transaction() as con:
+        write_frame(con, "simulations", got)
     create_views(store)
     return store, a, b
 
@@ -75,3 +85,11 @@ def test_readme_sql_examples_run(tmp_path):
     assert len(queries) >= 3
     for sql in queries:
         assert not store.query(sql.strip().rstrip(";")).empty, sql
+
+
+def test_plan_expectations_read_back_what_the_plan_recorded(tmp_path):
+    store, a, b = _store(tmp_path)
+    rows = store.query("SELECT plan_id, model, expected_attainment, expected_from FROM plan_expectations")
+    assert set(rows.plan_id) == {b}
+    assert dict(zip(rows.model, rows.expected_attainment)) == {"phi-4": 0.97, "qwen3-32b": 0.95}
+    assert set(rows.expected_from) == {"closed loop round 1"}

@@ -1,4 +1,5 @@
-"""Create the documented SQL views over plan history (`plan_history`, `plan_diff`, `cost_by_model`)."""
+"""Create the documented SQL views over plan history (`plan_history`, `plan_diff`, `cost_by_model`,
+`plan_expectations`)."""
 
 from __future__ import annotations
 
@@ -14,4 +15,4 @@ def create_views(store: Store) -> list[str]:
     sql = VIEWS_SQL.read_text()
     with store.transaction() as con:
         con.execute(sql)
-    return ["plan_history", "plan_diff", "cost_by_model"]
+    return ["plan_history", "plan_diff", "cost_by_model", "plan_expectations"]

@@ -42,3 +42,10 @@ SELECT plan_id, model, sum(count * usd_per_hour) AS usd_per_hour, sum(count) AS 
 FROM plan_instances
 GROUP BY plan_id, model
 ORDER BY plan_id, model;
+
+-- plan_expectations: per plan and model, the SLO attainment the plan expects (the closed loop's simulation of it on
+-- each model's own trace) and which simulation that was; join `simulations` (newest run per plan) for what it got.
+CREATE OR REPLACE VIEW plan_expectations AS
+SELECT p.plan_id, p.scenario, p.method, p.created_at, e.key AS model, CAST(e.value AS DOUBLE) AS expected_attainment,
+       json_extract_string(p.detail_json, '$.expected_from') AS expected_from
+FROM plans p, json_each(p.detail_json, '$.expected_attainment') e;
