@@ -152,11 +152,9 @@ def test_feasible_random_plans_meet_demand_within_availability(seed):
             other = baseline(problem)
         except InfeasibleError:
             continue
-        # Homo places each phase on its own: its plans may split a model's phases over regions.
-        assert plan_violations(other, problem, same_region=baseline is not plan_homo) == []
-        if baseline is not plan_homo:
-            # Coral's template space contains theirs, under the same constraints: never dearer.
-            assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
+        assert plan_violations(other, problem) == []
+        # Coral's template space contains theirs, under the same constraints: never dearer.
+        assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -292,26 +290,13 @@ def test_lp_bound_is_a_lower_bound_and_gap_consistent():
     assert plan.as_dict()["mip_gap"] == plan.mip_gap
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_homo_replicates_the_best_tokens_per_dollar_template_per_phase(seed):
-    """Closed form with availability that never binds: per phase, ceil(D / T) instances of the template with the
-    most tokens/s per $."""
-    base = random_problem(seed, n_models=1, regions=("r1",), avail_range=(1000, 1000))
-    problem = base.with_changes(templates=tuple(t for t in base.templates if len(t.nodes.counts) == 1
-                                                and all(("r1", n) in base.usd_per_hour for n, _ in t.nodes.counts)))
-    expected = 0.0
-    for key, demand in problem.demand_tokens_per_s.items():
-        options = [(t.tokens_per_s, problem.instance_usd_per_hour(t, "r1")) for t in problem.templates
-                   if (t.model, t.phase) == key]
-        best = max(options, key=lambda o: (o[0] / o[1], -o[1]))
-        expected += math.ceil(demand / best[0] - 1e-9) * best[1]
-    assert plan_homo(problem).cost_usd_per_hour == pytest.approx(expected)
-
-
 def test_homogeneous_baselines_only_use_one_configuration_per_instance():
     problem, _ = feasible_random(4)
-    for plan in (plan_homo(problem), plan_cauchy(problem), plan_homo_ilp(problem)):
-        assert all(len(i.template.nodes.counts) == 1 for i in plan.instances)
+    for plan in (plan_homo(problem, scarcity_mode="scale"), plan_cauchy(problem, scarcity_mode="scale"),
+                 plan_homo_ilp(problem)):
+        assert plan.instances and all(len(i.template.nodes.counts) == 1 for i in plan.instances)
+    assert all(i.template.phase == "aggregated" and i.template.nodes.counts[0][1] == 1
+               for i in plan_homo(problem, scarcity_mode="scale").instances)
 
 
 @pytest.mark.parametrize("seed,loose,first", [(30, True, 300), (31, True, 300), (33, False, 300),

@@ -112,7 +112,7 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     t0 = time.perf_counter()
     if scarcity_mode == "scale":
         level, targets = scarcity.uniform_scale(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
-        notes.append(f"uniform scarcity: every model served at {level:.2%} of its demand")
+        notes.append(scarcity.uniform_note({k[0]: v for k, v in targets.items()}))
         status, scale = "scaled", level
     else:
         levels, targets = scarcity.fair_share(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)

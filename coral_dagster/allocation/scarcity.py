@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 from coral_dagster.allocation import colgen
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
@@ -66,43 +66,96 @@ def diagnose(problem: AllocationProblem, columns: Sequence[Column], *, integer: 
     return Diagnosis(joint, tuple(bottlenecks), integer)
 
 
-def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-                  time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[float, dict[DemandKey, float]]:
-    """The paper's mode: the largest s ≤ 1 with s·D_m servable for every m at once; targets per key."""
-    keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
-    r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s,
-                               gap_rel=gap_rel)
-    level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
-    return level, {k: level for k in keys}
+LevelOracle = Callable[[Mapping[str, float], Sequence[str]], float]
+"""(levels held by some models, the free models) -> the largest level the free models reach together, the
+held ones keeping at least theirs."""
 
 
-def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-               time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[dict[str, float], dict[DemandKey, float]]:
-    """Max-min fair service over models (lexicographic, by progressive filling).
+def uniform_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+    """The paper's mode: one level for every model, the largest all reach together.
 
-    A model's served fraction is the smaller of its phases' (a request needs both). Raise the common level of
-    the models not yet fixed as far as it goes; fix every model that cannot go above it with the others held at
-    it; repeat with the rest. Returns the level per model and the targets per key.
+    A model no plan can serve at all (it reaches 0 even alone) would hold every other at 0; it is left at 0
+    (and named by the caller) and the others share the largest level they reach together.
     """
+    level = reach({}, models)
+    if level > TOL or len(models) < 2:
+        return {m: level for m in models}
+    dead = [m for m in models if reach({o: 0.0 for o in models if o != m}, [m]) <= TOL]
+    rest = [m for m in models if m not in dead]
+    if not dead or not rest:
+        return {m: level for m in models}
+    level = reach({m: 0.0 for m in dead}, rest)
+    return {**{m: 0.0 for m in dead}, **{m: level for m in rest}}
+
+
+def fair_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+    """Max-min fair levels by progressive filling, then a raising pass (Pareto optimal for `reach`).
+
+    Raise the common level of the models not yet fixed as far as it goes; fix every model that cannot go above
+    it with the others held there; when none is stuck alone (integer plans: each can rise, not all together),
+    fix the one with the least room. Repeat with the rest. Last, raise each model in turn (lowest first) as far
+    as it goes with every other held at its level: no model is then left below what it can reach without
+    lowering another, so none sits at 0% where a positive share is reachable.
+    """
+    fixed: dict[str, float] = {}
+    while len(fixed) < len(models):
+        free = [m for m in models if m not in fixed]
+        level = reach(fixed, free)
+        if level >= 1.0 - TOL:
+            fixed.update({m: 1.0 for m in free})
+            break
+        room = {m: reach({**fixed, **{o: level for o in free if o != m}}, [m]) for m in free}
+        stuck = [m for m in free if room[m] <= level + TOL] or [min(free, key=lambda m: (room[m], m))]
+        fixed.update({m: level for m in stuck})
+    for m in sorted(models, key=lambda m: (fixed[m], m)):
+        if fixed[m] < 1.0 - TOL:
+            fixed[m] = max(fixed[m], reach({o: v for o, v in fixed.items() if o != m}, [m]))
+    return fixed
+
+
+def ilp_reach(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
+              time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[LevelOracle, list[str]]:
+    """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model), with the models."""
     keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
     groups: dict[str, list[DemandKey]] = {}
     for k in keys:
         groups.setdefault(k[0], []).append(k)
-    fixed: dict[str, float] = {}
-    while len(fixed) < len(groups):
-        r = colgen.solve_max_level(problem, columns, groups, fixed, integer=integer, time_limit_s=time_limit_s,
-                                   gap_rel=gap_rel)
-        level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
-        free = [g for g in sorted(groups) if g not in fixed]
-        if level >= 1.0 - TOL:
-            fixed.update({g: 1.0 for g in free})
-            break
-        stuck = []
-        for g in free:
-            held = {**fixed, **{o: level for o in free if o != g}}
-            rg = colgen.solve_max_level(problem, columns, groups, held, integer=integer,
-                                        time_limit_s=time_limit_s, gap_rel=gap_rel)
-            if rg.status not in ("optimal", "feasible-time-limit") or rg.level <= level + TOL:
-                stuck.append(g)
-        fixed.update({g: level for g in (stuck or free)})
-    return fixed, {k: fixed[k[0]] for k in keys}
+
+    def reach(held: Mapping[str, float], free: Sequence[str]) -> float:
+        r = colgen.solve_max_level(problem, columns, groups, {m: v for m, v in held.items() if m not in free},
+                                   integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+        return r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
+
+    return reach, sorted(groups)
+
+
+def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
+                  time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[float, dict[DemandKey, float]]:
+    """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all)
+    and the targets per key."""
+    reach, models = ilp_reach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = uniform_levels(models, reach)
+    return min(levels.values(), default=0.0), _targets(problem, levels)
+
+
+def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
+               time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[dict[str, float], dict[DemandKey, float]]:
+    """`fair_levels` on the allocation ILP (a model's served fraction is the smaller of its phases': a request
+    needs both); returns the level per model and the targets per key."""
+    reach, models = ilp_reach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = fair_levels(models, reach)
+    return levels, _targets(problem, levels)
+
+
+def uniform_note(levels: Mapping[str, float]) -> str:
+    """What a uniform plan serves, naming the models no plan can serve at all."""
+    level = max(levels.values(), default=0.0)
+    dead = sorted(m for m, v in levels.items() if v <= TOL < level)
+    if not dead:
+        return f"uniform scarcity: every model served at {level:.2%} of its demand"
+    return (f"uniform scarcity: {', '.join(dead)} cannot be served at all with this availability (0%); every "
+            f"other model served at {level:.2%} of its demand")
+
+
+def _targets(problem: AllocationProblem, levels: Mapping[str, float]) -> dict[DemandKey, float]:
+    return {k: levels[k[0]] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
