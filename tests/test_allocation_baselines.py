@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -194,3 +195,25 @@ def test_fair_share_serves_one_of_two_models_sharing_a_node():
                                 {("a", "prefill"): 200.0, ("b", "prefill"): 300.0})
     fractions = sorted(solve_plan(problem, scarcity_mode="fair").served_fraction().values())
     assert fractions[0] == 0.0 and fractions[1] > 0.0
+
+
+def test_a_scarcity_cost_solve_out_of_time_falls_back_to_the_level_solve(monkeypatch):
+    """When the cost solve at the levels finds nothing in time, the level solve's counts are the plan: it still
+    serves every model its level within availability."""
+    from coral_dagster.allocation import colgen, ilp, planner
+
+    problem = blocked_problem()
+    real = colgen.solve_min_cost
+
+    def out_of_time(problem, columns, targets=None, **kwargs):
+        done = real(problem, columns, targets, **kwargs)
+        if targets is None:  # the full-demand solve: infeasible here, left alone
+            return done
+        return dataclasses.replace(done, result=ilp.SolveResult("no-solution", (), math.nan, math.nan, 0.0))
+
+    monkeypatch.setattr(planner.colgen, "solve_min_cost", out_of_time)
+    for mode in ("scale", "fair"):
+        plan = solve_plan(problem, scarcity_mode=mode)
+        assert any("not cost-minimised" in n for n in plan.notes)
+        assert plan_violations(plan, problem) == []
+        assert routed(problem, {(i.template, i.region): i.count for i in plan.instances})["b"] == pytest.approx(0.5)

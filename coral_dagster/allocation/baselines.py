@@ -33,6 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from coral_dagster.allocation import scarcity
+from coral_dagster.allocation.ilp import quiet_stdout
 from coral_dagster.allocation.planner import SCARCITY_FIX, build_plan, solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import Column, prune_columns
@@ -46,6 +47,7 @@ BISECTION_STEPS = 24
 TOL = 1e-9
 # HiGHS accepts rows and integrality within 1e-6: the last part asks that much more, so rounded counts serve it.
 SOLVER_SLACK = 1e-6
+MEMO_STATES = 20_000
 
 Pool = dict  # nodes left per (region, node configuration)
 
@@ -176,9 +178,10 @@ def least_cost_cover(problem: AllocationProblem, columns: Sequence[Column], mode
     cost = np.concatenate([[c.usd_per_hour for c in cols], np.zeros(nr)])
     upper = np.concatenate([[_fits(_need(c), pool) for c in cols],
                             np.full(nr, np.inf)])
-    res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), bounds=Bounds(0, upper),
-               integrality=np.concatenate([np.ones(n), np.zeros(nr)]),
-               options={"time_limit": time_limit_s, "mip_rel_gap": 0.0})
+    with quiet_stdout():
+        res = milp(cost, constraints=LinearConstraint(np.array(rows), lo, hi), bounds=Bounds(0, upper),
+                   integrality=np.concatenate([np.ones(n), np.zeros(nr)]),
+                   options={"time_limit": time_limit_s, "mip_rel_gap": 0.0})
     if res.x is None:
         return None
     index = {id(c): i for i, c in enumerate(columns)}
@@ -247,18 +250,30 @@ class _Greedy:
         self.options = {m: build(self.problem, self.columns, m) for m in self.models}
         self.time_limit_s = time_limit_s
         self.capped = method == "cauchy"
+        self._after: dict[tuple, tuple[bool, Pool, dict[int, int]]] = {}
 
     def attempt(self, targets: Mapping[str, float]) -> tuple[bool, list[PlannedInstance]]:
-        """Serve each model its target fraction in name order; whether all are met, and the instances."""
-        pool = dict(self.problem.available_nodes)
-        counts: dict[int, int] = {}
-        ok = True
+        """Serve each model its target fraction in name order; whether all are met, and the instances.
+
+        The state after each prefix of (model, target) is remembered: a search that moves one model's target
+        re-plays only the models after it."""
+        state = (True, dict(self.problem.available_nodes), {})
+        prefix: tuple = ()
         for model in self.models:
-            left, got = cover_model(self.problem, self.columns, self.options[model], model,
-                                    targets.get(model, 1.0), pool, self.capped, self.time_limit_s)
-            ok = ok and left <= TOL
-            for j, n in got.items():
-                counts[j] = counts.get(j, 0) + n
+            prefix += ((model, targets.get(model, 1.0)),)
+            known = self._after.get(prefix)
+            if known is None:
+                ok, pool, counts = state[0], dict(state[1]), dict(state[2])
+                left, got = cover_model(self.problem, self.columns, self.options[model], model, prefix[-1][1],
+                                        pool, self.capped, self.time_limit_s)
+                for j, n in got.items():
+                    counts[j] = counts.get(j, 0) + n
+                known = (ok and left <= TOL, pool, counts)
+                if len(self._after) >= MEMO_STATES:
+                    self._after.clear()
+                self._after[prefix] = known
+            state = known
+        ok, _, counts = state
         return ok, [PlannedInstance(self.columns[j].template, self.columns[j].region, n,
                                     self.columns[j].usd_per_hour) for j, n in sorted(counts.items())]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from coral_dagster.allocation import colgen
+from coral_dagster.allocation import colgen, ilp
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
 from coral_dagster.allocation.types import Bottleneck
@@ -98,6 +98,7 @@ def fair_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
     lowering another, so none sits at 0% where a positive share is reachable.
     """
     fixed: dict[str, float] = {}
+    unstuck: list[str] = []  # fixed with room left: the only ones the raising pass can lift
     while len(fixed) < len(models):
         free = [m for m in models if m not in fixed]
         level = reach(fixed, free)
@@ -105,46 +106,68 @@ def fair_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
             fixed.update({m: 1.0 for m in free})
             break
         room = {m: reach({**fixed, **{o: level for o in free if o != m}}, [m]) for m in free}
-        stuck = [m for m in free if room[m] <= level + TOL] or [min(free, key=lambda m: (room[m], m))]
+        stuck = [m for m in free if room[m] <= level + TOL]
+        if not stuck:
+            stuck = [min(free, key=lambda m: (room[m], m))]
+            unstuck += stuck
         fixed.update({m: level for m in stuck})
-    for m in sorted(models, key=lambda m: (fixed[m], m)):
-        if fixed[m] < 1.0 - TOL:
-            fixed[m] = max(fixed[m], reach({o: v for o, v in fixed.items() if o != m}, [m]))
+    # A stuck model could not rise with the others at the level it was fixed at; they end at or above it, so it
+    # cannot rise at the end either.
+    for m in sorted(unstuck, key=lambda m: (fixed[m], m)):
+        fixed[m] = max(fixed[m], reach({o: v for o, v in fixed.items() if o != m}, [m]))
     return fixed
 
 
-def ilp_reach(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-              time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[LevelOracle, list[str]]:
-    """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model), with the models."""
-    keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
-    groups: dict[str, list[DemandKey]] = {}
-    for k in keys:
-        groups.setdefault(k[0], []).append(k)
+class IlpReach:
+    """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model); it keeps the counts
+    of every solve, so a plan reaching the levels found is at hand (`witness`)."""
 
-    def reach(held: Mapping[str, float], free: Sequence[str]) -> float:
-        r = colgen.solve_max_level(problem, columns, groups, {m: v for m, v in held.items() if m not in free},
-                                   integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
-        return r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
+    def __init__(self, problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
+                 time_limit_s: float = 30.0, gap_rel: float = 1e-4):
+        self.problem, self.columns = problem, columns
+        self.integer, self.time_limit_s, self.gap_rel = integer, time_limit_s, gap_rel
+        self.groups: dict[str, list[DemandKey]] = {}
+        for k, d in sorted(problem.demand_tokens_per_s.items()):
+            if d > 0:
+                self.groups.setdefault(k[0], []).append(k)
+        self.models = sorted(self.groups)
+        self.solutions: list[tuple[dict[str, float], tuple[float, ...]]] = []
 
-    return reach, sorted(groups)
+    def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
+        r = colgen.solve_max_level(self.problem, self.columns, self.groups,
+                                   {m: v for m, v in held.items() if m not in free}, integer=self.integer,
+                                   time_limit_s=self.time_limit_s, gap_rel=self.gap_rel)
+        if r.status not in ("optimal", "feasible-time-limit"):
+            return 0.0
+        self.solutions.append((ilp.routed_fractions(self.problem, self.columns, r.values), r.values))
+        return r.level
+
+    def witness(self, levels: Mapping[str, float]) -> tuple[float, ...] | None:
+        """Counts of a solve that serve every model its level (None when no solve did)."""
+        for served, values in reversed(self.solutions):
+            if all(served.get(m, 0.0) >= v - TOL for m, v in levels.items()):
+                return values
+        return None
 
 
 def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-                  time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[float, dict[DemandKey, float]]:
-    """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all)
-    and the targets per key."""
-    reach, models = ilp_reach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
-    levels = uniform_levels(models, reach)
-    return min(levels.values(), default=0.0), _targets(problem, levels)
+                  time_limit_s: float = 30.0, gap_rel: float = 1e-4
+                  ) -> tuple[float, dict[DemandKey, float], tuple[float, ...] | None]:
+    """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all),
+    the targets per key and counts that reach them (see `IlpReach.witness`)."""
+    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = uniform_levels(reach.models, reach)
+    return min(levels.values(), default=0.0), _targets(problem, levels), reach.witness(levels)
 
 
 def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-               time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[dict[str, float], dict[DemandKey, float]]:
+               time_limit_s: float = 30.0, gap_rel: float = 1e-4
+               ) -> tuple[dict[str, float], dict[DemandKey, float], tuple[float, ...] | None]:
     """`fair_levels` on the allocation ILP (a model's served fraction is the smaller of its phases': a request
-    needs both); returns the level per model and the targets per key."""
-    reach, models = ilp_reach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
-    levels = fair_levels(models, reach)
-    return levels, _targets(problem, levels)
+    needs both); returns the level per model, the targets per key and counts that reach them."""
+    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = fair_levels(reach.models, reach)
+    return levels, _targets(problem, levels), reach.witness(levels)
 
 
 def uniform_note(levels: Mapping[str, float]) -> str:
