@@ -151,17 +151,21 @@ def test_a_model_no_plan_serves_leaves_the_others_served():
             assert routed(problem, {(i.template, i.region): i.count for i in plan.instances})["b"] == pytest.approx(0.5)
             assert plan_violations(plan, problem, require_demand=False) == []
             if mode == "scale":
-                assert any("a cannot be served at all" in n for n in plan.notes)
+                assert any("a cannot be served alongside the others" in n for n in plan.notes)
 
 
 def test_fair_share_serves_one_of_two_models_sharing_a_node():
-    """Two models each need the one X node: a plan serves one of them; fair share must not leave both at 0."""
+    """Two models each need the one X node: a plan serves one of them; neither mode may leave both at 0."""
     x = NodeConfig("X", 1)
     templates = tuple(synthetic_template(m, "prefill", NodeMultiset.of([x]), 100.0) for m in ("a", "b"))
     problem = AllocationProblem("shared", templates, {("r", x): 1.0}, {("r", x): 1},
                                 {("a", "prefill"): 200.0, ("b", "prefill"): 300.0})
-    fractions = sorted(solve_plan(problem, scarcity_mode="fair").served_fraction().values())
-    assert fractions[0] == 0.0 and fractions[1] > 0.0
+    for mode in ("fair", "scale"):  # scaling both alike would serve neither
+        plan = solve_plan(problem, scarcity_mode=mode)
+        fractions = sorted(plan.served_fraction().values())
+        assert fractions[0] == 0.0 and fractions[1] > 0.0
+    zero = next(k[0] for k, v in plan.served_fraction().items() if v == 0.0)
+    assert any(f"{zero} cannot be served alongside the others" in n for n in plan.notes)
 
 
 def test_a_scarcity_cost_solve_out_of_time_falls_back_to_the_level_solve(monkeypatch):

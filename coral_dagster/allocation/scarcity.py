@@ -74,13 +74,15 @@ held ones keeping at least theirs."""
 def uniform_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
     """The paper's mode: one level for every model, the largest all reach together.
 
-    A model no plan can serve at all (it reaches 0 even alone) would hold every other at 0; it is left at 0
-    (and named by the caller) and the others share the largest level they reach together.
+    When that level is 0 because some models cannot be served alongside the others (a model no plan serves at
+    all, or models competing for the same scarce nodes), scaling every model alike would serve nothing: the
+    models max-min fair share leaves at 0 stay at 0 (named by `uniform_note`) and the others share the largest
+    level they reach together.
     """
     level = reach({}, models)
     if level > TOL or len(models) < 2:
         return {m: level for m in models}
-    dead = [m for m in models if reach({o: 0.0 for o in models if o != m}, [m]) <= TOL]
+    dead = [m for m, v in fair_levels(models, reach).items() if v <= TOL]
     rest = [m for m in models if m not in dead]
     if not dead or not rest:
         return {m: level for m in models}
@@ -171,13 +173,13 @@ def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer
 
 
 def uniform_note(levels: Mapping[str, float]) -> str:
-    """What a uniform plan serves, naming the models no plan can serve at all."""
+    """What a uniform plan serves, naming the models it leaves at 0."""
     level = max(levels.values(), default=0.0)
     dead = sorted(m for m, v in levels.items() if v <= TOL < level)
     if not dead:
         return f"uniform scarcity: every model served at {level:.2%} of its demand"
-    return (f"uniform scarcity: {', '.join(dead)} cannot be served at all with this availability (0%); every "
-            f"other model served at {level:.2%} of its demand")
+    return (f"uniform scarcity: {', '.join(dead)} cannot be served alongside the others with this availability "
+            f"(0%); every other model served at {level:.2%} of its demand")
 
 
 def _targets(problem: AllocationProblem, levels: Mapping[str, float]) -> dict[DemandKey, float]:
