@@ -16,68 +16,30 @@ from coral_dagster.allocation.synthetic import random_problem, synthetic_templat
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import InfeasibleError
 
+from brute_force import every_plan, routed
+
 EXACT = 1e-9
 
 
 def brute_force(problem: AllocationProblem, scale: float = 1.0):
     """Cheapest objective over every integer allocation within availability (None when none meets demand).
 
-    Written without the ILP's columns or pruning: walks templates × regions in order, bounding each count by the
-    nodes still free, and prices churn as K × price of each instance beyond the running plan. Demand is met when
-    a model's requests can be split over regions with both phases of each share served in its region: the
-    shares each region can take (the least over phases of served there / needed) add up to 1.
+    Written without the ILP's columns or pruning (`every_plan` walks templates × regions, bounding each count by
+    the nodes still free), pricing churn as K × price of each instance beyond the running plan. Demand is met
+    when a model's requests can be split over regions with both phases of each share served in its region.
     """
     pairs = [(t, r) for t in problem.templates for r in sorted({r for r, _ in problem.usd_per_hour})
              if all((r, n) in problem.usd_per_hour for n, _ in t.nodes.counts)]
     running = any(v > 0 for v in problem.running.values())
-    best = [math.inf]
-
-    regions = sorted({r for r, _ in problem.usd_per_hour})
-
-    def supply(assign):
-        out = {k + (r,): 0.0 for k in problem.demand_tokens_per_s for r in regions}
-        for (t, r), n in zip(pairs, assign):
-            for phase in ("prefill", "decode"):
-                key = (t.model, phase, r)
-                if key not in out:
-                    continue
-                if t.phase == phase:
-                    out[key] += n * t.tokens_per_s
-                elif t.phase == "aggregated":  # output tokens/s; prompt tokens in the trace's ratio
-                    out[key] += n * t.tokens_per_s * (problem.prompt_per_output[t.model] if phase == "prefill"
-                                                      else 1.0)
-        return out
-
-    def routable(got) -> bool:
-        wanted = {k: d * scale for k, d in problem.demand_tokens_per_s.items() if d > 0}
-        for model in {m for m, _ in wanted}:
-            phases = [k for k in wanted if k[0] == model]
-            if sum(min(1.0, *(got[k + (r,)] / wanted[k] for k in phases)) for r in regions) < 1 - 1e-7:
-                return False
-        return True
-
-    def walk(i, free, assign):
-        if i == len(pairs):
-            if routable(supply(assign)):
-                obj = 0.0
-                for (t, r), n in zip(pairs, assign):
-                    price = sum(k * problem.usd_per_hour[(r, c)] for c, k in t.nodes.counts)
-                    obj += n * price
-                    if running:
-                        obj += problem.churn_k * price * max(0, n - problem.running.get((t.template_id, r), 0))
-                best[0] = min(best[0], obj)
-            return
-        t, r = pairs[i]
-        n = 0
-        while all(free.get((r, c), 0) >= k * n for c, k in t.nodes.counts):
-            nxt = dict(free)
-            for c, k in t.nodes.counts:
-                nxt[(r, c)] = free[(r, c)] - k * n
-            walk(i + 1, nxt, assign + [n])
-            n += 1
-
-    walk(0, dict(problem.available_nodes), [])
-    return None if best[0] == math.inf else best[0]
+    best = math.inf
+    for counts, cost in every_plan(problem, pairs, problem.available_nodes):
+        if any(v < scale * (1 - 1e-7) for v in routed(problem, counts).values()):
+            continue
+        if running:
+            cost += sum(problem.churn_k * problem.instance_usd_per_hour(t, r)
+                        * max(0, n - problem.running.get((t.template_id, r), 0)) for (t, r), n in counts.items())
+        best = min(best, cost)
+    return None if best == math.inf else best
 
 
 def tiny(seed: int, **kw) -> AllocationProblem:
@@ -152,11 +114,9 @@ def test_feasible_random_plans_meet_demand_within_availability(seed):
             other = baseline(problem)
         except InfeasibleError:
             continue
-        # Homo places each phase on its own: its plans may split a model's phases over regions.
-        assert plan_violations(other, problem, same_region=baseline is not plan_homo) == []
-        if baseline is not plan_homo:
-            # Coral's template space contains theirs, under the same constraints: never dearer.
-            assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
+        assert plan_violations(other, problem) == []
+        # Coral's template space contains theirs, under the same constraints: never dearer.
+        assert plan.cost_usd_per_hour <= other.cost_usd_per_hour * (1 + 1e-4) + 1e-9
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -292,26 +252,13 @@ def test_lp_bound_is_a_lower_bound_and_gap_consistent():
     assert plan.as_dict()["mip_gap"] == plan.mip_gap
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_homo_replicates_the_best_tokens_per_dollar_template_per_phase(seed):
-    """Closed form with availability that never binds: per phase, ceil(D / T) instances of the template with the
-    most tokens/s per $."""
-    base = random_problem(seed, n_models=1, regions=("r1",), avail_range=(1000, 1000))
-    problem = base.with_changes(templates=tuple(t for t in base.templates if len(t.nodes.counts) == 1
-                                                and all(("r1", n) in base.usd_per_hour for n, _ in t.nodes.counts)))
-    expected = 0.0
-    for key, demand in problem.demand_tokens_per_s.items():
-        options = [(t.tokens_per_s, problem.instance_usd_per_hour(t, "r1")) for t in problem.templates
-                   if (t.model, t.phase) == key]
-        best = max(options, key=lambda o: (o[0] / o[1], -o[1]))
-        expected += math.ceil(demand / best[0] - 1e-9) * best[1]
-    assert plan_homo(problem).cost_usd_per_hour == pytest.approx(expected)
-
-
 def test_homogeneous_baselines_only_use_one_configuration_per_instance():
     problem, _ = feasible_random(4)
-    for plan in (plan_homo(problem), plan_cauchy(problem), plan_homo_ilp(problem)):
-        assert all(len(i.template.nodes.counts) == 1 for i in plan.instances)
+    for plan in (plan_homo(problem, scarcity_mode="scale"), plan_cauchy(problem, scarcity_mode="scale"),
+                 plan_homo_ilp(problem)):
+        assert plan.instances and all(len(i.template.nodes.counts) == 1 for i in plan.instances)
+    assert all(i.template.phase == "aggregated" and i.template.nodes.counts[0][1] == 1
+               for i in plan_homo(problem, scarcity_mode="scale").instances)
 
 
 @pytest.mark.parametrize("seed,loose,first", [(30, True, 300), (31, True, 300), (33, False, 300),

@@ -200,7 +200,8 @@ def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
     templates = tuple(synthetic_template(sm.model, phase, NodeMultiset.of([node]), tps * node.count, slo_ms=slo)
                       for sm in scn.models for node in scn.node_configs
                       for phase, slo, tps in (("prefill", sm.prefill_slo_ms, 3000.0),
-                                              ("decode", sm.decode_slo_ms, 400.0)))
+                                              ("decode", sm.decode_slo_ms, 400.0),
+                                              ("aggregated", sm.decode_slo_ms, 300.0)))
     monkeypatch.setattr(scenario_plans, "library_templates", lambda scenario, db_path=None: templates)
     args = ["allocation", "--scenarios", "core", "--settings", "default", "--no-helix", "--sim-duration-s", "0",
             "--db", str(tmp_path / "b.duckdb"), "--json"]

@@ -168,7 +168,9 @@ def _demand_matrix(problem: AllocationProblem, d: _Data,
     row_keys = [k + (r,) for k in keys for r in d.regions]
     caps = np.array([1.0 if targets is None else targets.get(k[:2], 1.0) for k in row_keys])
     vals = np.minimum(np.concatenate(vv), caps[rows_all]) if len(row_keys) else np.zeros(0)
-    return row_keys, sparse.csr_matrix((vals, (rows_all, np.concatenate(cc))), shape=(len(row_keys), n))
+    a_dem = sparse.csr_matrix((vals, (rows_all, np.concatenate(cc))), shape=(len(row_keys), n))
+    a_dem.eliminate_zeros()  # a key with target 0 (a model a fair share serves at 0%) asks nothing of any column
+    return row_keys, a_dem
 
 
 def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], sparse.csr_matrix]:

@@ -29,7 +29,7 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
 
 from coral_dagster.allocation.demand import window_rates
-from coral_dagster.allocation.baselines import homogeneous_problem, plan_cauchy, plan_homo
+from coral_dagster.allocation.baselines import homogeneous_problem
 from coral_dagster.allocation.goodput import GoodputEstimator, fluid_goodput
 from coral_dagster.allocation.colgen import min_availability_scale, solve_max_level
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
@@ -144,13 +144,6 @@ def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig,
             row = plan_row(setting, scenario.name, plan, goodput, scenario.headroom, extra, simulated)
             if note:
                 row["note"] = note
-            if method in ("homo", "cauchy"):
-                # The stronger variant (ours): the last part of the demand from the cheapest single option.
-                fn = plan_homo if method == "homo" else plan_cauchy
-                variant = fn(problem, scarcity_mode=mode, last_part="cheapest")
-                row["cheapest_last_part"] = {"cost_usd_per_hour": variant.cost_usd_per_hour,
-                                             "goodput_fraction": goodput(variant, scenario.headroom).fraction,
-                                             **sim_columns(variant, simulated, scenario.headroom)}
             rows.append(row)
         except CoralError as exc:
             rows.append({"setting": setting, "scenario": scenario.name, "method": method, "status": "error",
@@ -161,9 +154,6 @@ def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig,
             r["cost_ratio_to_coral"] = r["cost_usd_per_hour"] / coral["cost_usd_per_hour"]
             r["goodput_ratio_coral_over"] = (coral["goodput_tokens_per_s"] / r["goodput_tokens_per_s"]
                                              if r["goodput_tokens_per_s"] > 0 else None)
-            if "cheapest_last_part" in r:
-                r["cheapest_last_part"]["cost_ratio_to_coral"] = (r["cheapest_last_part"]["cost_usd_per_hour"]
-                                                                  / coral["cost_usd_per_hour"])
     return rows
 
 

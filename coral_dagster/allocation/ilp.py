@@ -39,6 +39,7 @@ and C2 (no churn: serving more comes first)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -78,23 +79,32 @@ def _pulp():
     return pulp
 
 
-@functools.lru_cache(maxsize=1)
-def _silence_highs_banner() -> None:
-    """HiGHS prints a banner to stdout on its first instance per process; it would corrupt `--json` output."""
-    try:
-        import highspy
-    except ImportError:
-        return
+@contextlib.contextmanager
+def quiet_stdout():
+    """File descriptor 1 sent to /dev/null: HiGHS's C++ code prints to it (its banner, and notes such as
+    `HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();` even with output off), which would
+    corrupt `--json` output."""
     sys.stdout.flush()
     saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 1)
-        highspy.Highs()
+        yield
     finally:
         sys.stdout.flush()
         os.dup2(saved, 1)
         os.close(saved)
         os.close(devnull)
+
+
+@functools.lru_cache(maxsize=1)
+def _silence_highs_banner() -> None:
+    """HiGHS prints a banner to stdout on its first instance per process."""
+    try:
+        import highspy
+    except ImportError:
+        return
+    with quiet_stdout():
+        highspy.Highs()
 
 
 def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False):

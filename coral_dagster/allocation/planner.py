@@ -111,24 +111,32 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
         raise InfeasibleError(f"{method}: {diag.message()}", SCARCITY_FIX)
     t0 = time.perf_counter()
     if scarcity_mode == "scale":
-        level, targets = scarcity.uniform_scale(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
-        notes.append(f"uniform scarcity: every model served at {level:.2%} of its demand")
+        level, targets, witness = scarcity.uniform_scale(problem, columns, time_limit_s=time_limit_s,
+                                                         gap_rel=gap_rel)
+        notes.append(scarcity.uniform_note({k[0]: v for k, v in targets.items()}))
         status, scale = "scaled", level
     else:
-        levels, targets = scarcity.fair_share(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel)
+        levels, targets, witness = scarcity.fair_share(problem, columns, time_limit_s=time_limit_s,
+                                                       gap_rel=gap_rel)
         notes.append("max-min fair share: " + ", ".join(f"{m} {f:.1%}" for m, f in sorted(levels.items())))
         status, scale = "fair-share", min(levels.values(), default=0.0)
     timings["scarcity_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s, gap_rel=gap_rel)
     timings["solve_s"] = time.perf_counter() - t0
+    values = cg.result.values
     if cg.result.status in ("infeasible", "no-solution"):
-        raise SolverTimeoutError(
-            f"the {method} scarcity plan found no solution within {time_limit_s:g} s.",
-            "raise the time limit (`--time-limit-s`).")
+        if witness is None:
+            raise SolverTimeoutError(
+                f"the {method} scarcity plan found no solution within {time_limit_s:g} s.",
+                "raise the time limit (`--time-limit-s`).")
+        # The level solve's own counts reach the levels: a plan, not proven cheapest.
+        values = witness
+        notes.append(f"the cost solve at that level found no plan within {time_limit_s:g} s: the counts of the "
+                     f"level solve are the plan (not cost-minimised; raise `--time-limit-s`)")
     notes.append(_speedup_note(cg, len(columns)))
     notes.append(f"status of the cost solve at that level: {cg.result.status}")
-    return build_plan(problem, method, status, _instances(columns, cg.result.values),
+    return build_plan(problem, method, status, _instances(columns, values),
                       lp_bound=cg.lp_objective, mip_bound=cg.result.bound, solve_s=time.perf_counter() - start,
                       demand_scale=scale, notes=notes, bottlenecks=diag.bottlenecks, pruning=report.as_dict(),
                       timings=timings)

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
-from coral_dagster.allocation import colgen
+from coral_dagster.allocation import colgen, ilp
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
 from coral_dagster.allocation.types import Bottleneck
@@ -66,43 +66,121 @@ def diagnose(problem: AllocationProblem, columns: Sequence[Column], *, integer: 
     return Diagnosis(joint, tuple(bottlenecks), integer)
 
 
+LevelOracle = Callable[[Mapping[str, float], Sequence[str]], float]
+"""(levels held by some models, the free models) -> the largest level the free models reach together, the
+held ones keeping at least theirs."""
+
+
+def uniform_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+    """The paper's mode: one level for every model, the largest all reach together.
+
+    When that level is 0 because some models cannot be served alongside the others (a model no plan serves at
+    all, or models competing for the same scarce nodes), scaling every model alike would serve nothing: the
+    models max-min fair share leaves at 0 stay at 0 (named by `uniform_note`) and the others share the largest
+    level they reach together.
+    """
+    level = reach({}, models)
+    if level > TOL or len(models) < 2:
+        return {m: level for m in models}
+    dead = [m for m, v in fair_levels(models, reach).items() if v <= TOL]
+    rest = [m for m in models if m not in dead]
+    if not dead or not rest:
+        return {m: level for m in models}
+    level = reach({m: 0.0 for m in dead}, rest)
+    return {**{m: 0.0 for m in dead}, **{m: level for m in rest}}
+
+
+def fair_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+    """Max-min fair levels by progressive filling, then a raising pass (Pareto optimal for `reach`).
+
+    Raise the common level of the models not yet fixed as far as it goes; fix every model that cannot go above
+    it with the others held there; when none is stuck alone (integer plans: each can rise, not all together),
+    fix the one with the least room. Repeat with the rest. Last, raise each model in turn (lowest first) as far
+    as it goes with every other held at its level: no model is then left below what it can reach without
+    lowering another, so none sits at 0% where a positive share is reachable.
+    """
+    fixed: dict[str, float] = {}
+    unstuck: list[str] = []  # fixed with room left: the only ones the raising pass can lift
+    while len(fixed) < len(models):
+        free = [m for m in models if m not in fixed]
+        level = reach(fixed, free)
+        if level >= 1.0 - TOL:
+            fixed.update({m: 1.0 for m in free})
+            break
+        room = {m: reach({**fixed, **{o: level for o in free if o != m}}, [m]) for m in free}
+        stuck = [m for m in free if room[m] <= level + TOL]
+        if not stuck:
+            stuck = [min(free, key=lambda m: (room[m], m))]
+            unstuck += stuck
+        fixed.update({m: level for m in stuck})
+    # A stuck model could not rise with the others at the level it was fixed at; they end at or above it, so it
+    # cannot rise at the end either.
+    for m in sorted(unstuck, key=lambda m: (fixed[m], m)):
+        fixed[m] = max(fixed[m], reach({o: v for o, v in fixed.items() if o != m}, [m]))
+    return fixed
+
+
+class IlpReach:
+    """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model); it keeps the counts
+    of every solve, so a plan reaching the levels found is at hand (`witness`)."""
+
+    def __init__(self, problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
+                 time_limit_s: float = 30.0, gap_rel: float = 1e-4):
+        self.problem, self.columns = problem, columns
+        self.integer, self.time_limit_s, self.gap_rel = integer, time_limit_s, gap_rel
+        self.groups: dict[str, list[DemandKey]] = {}
+        for k, d in sorted(problem.demand_tokens_per_s.items()):
+            if d > 0:
+                self.groups.setdefault(k[0], []).append(k)
+        self.models = sorted(self.groups)
+        self.solutions: list[tuple[dict[str, float], tuple[float, ...]]] = []
+
+    def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
+        r = colgen.solve_max_level(self.problem, self.columns, self.groups,
+                                   {m: v for m, v in held.items() if m not in free}, integer=self.integer,
+                                   time_limit_s=self.time_limit_s, gap_rel=self.gap_rel)
+        if r.status not in ("optimal", "feasible-time-limit"):
+            return 0.0
+        self.solutions.append((ilp.routed_fractions(self.problem, self.columns, r.values), r.values))
+        return r.level
+
+    def witness(self, levels: Mapping[str, float]) -> tuple[float, ...] | None:
+        """Counts of a solve that serve every model its level (None when no solve did)."""
+        for served, values in reversed(self.solutions):
+            if all(served.get(m, 0.0) >= v - TOL for m, v in levels.items()):
+                return values
+        return None
+
+
 def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-                  time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[float, dict[DemandKey, float]]:
-    """The paper's mode: the largest s ≤ 1 with s·D_m servable for every m at once; targets per key."""
-    keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
-    r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s,
-                               gap_rel=gap_rel)
-    level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
-    return level, {k: level for k in keys}
+                  time_limit_s: float = 30.0, gap_rel: float = 1e-4
+                  ) -> tuple[float, dict[DemandKey, float], tuple[float, ...] | None]:
+    """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all),
+    the targets per key and counts that reach them (see `IlpReach.witness`)."""
+    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = uniform_levels(reach.models, reach)
+    return min(levels.values(), default=0.0), _targets(problem, levels), reach.witness(levels)
 
 
 def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-               time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> tuple[dict[str, float], dict[DemandKey, float]]:
-    """Max-min fair service over models (lexicographic, by progressive filling).
+               time_limit_s: float = 30.0, gap_rel: float = 1e-4
+               ) -> tuple[dict[str, float], dict[DemandKey, float], tuple[float, ...] | None]:
+    """`fair_levels` on the allocation ILP (a model's served fraction is the smaller of its phases': a request
+    needs both); returns the level per model, the targets per key and counts that reach them."""
+    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    levels = fair_levels(reach.models, reach)
+    return levels, _targets(problem, levels), reach.witness(levels)
 
-    A model's served fraction is the smaller of its phases' (a request needs both). Raise the common level of
-    the models not yet fixed as far as it goes; fix every model that cannot go above it with the others held at
-    it; repeat with the rest. Returns the level per model and the targets per key.
-    """
-    keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
-    groups: dict[str, list[DemandKey]] = {}
-    for k in keys:
-        groups.setdefault(k[0], []).append(k)
-    fixed: dict[str, float] = {}
-    while len(fixed) < len(groups):
-        r = colgen.solve_max_level(problem, columns, groups, fixed, integer=integer, time_limit_s=time_limit_s,
-                                   gap_rel=gap_rel)
-        level = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
-        free = [g for g in sorted(groups) if g not in fixed]
-        if level >= 1.0 - TOL:
-            fixed.update({g: 1.0 for g in free})
-            break
-        stuck = []
-        for g in free:
-            held = {**fixed, **{o: level for o in free if o != g}}
-            rg = colgen.solve_max_level(problem, columns, groups, held, integer=integer,
-                                        time_limit_s=time_limit_s, gap_rel=gap_rel)
-            if rg.status not in ("optimal", "feasible-time-limit") or rg.level <= level + TOL:
-                stuck.append(g)
-        fixed.update({g: level for g in (stuck or free)})
-    return fixed, {k: fixed[k[0]] for k in keys}
+
+def uniform_note(levels: Mapping[str, float]) -> str:
+    """What a uniform plan serves, naming the models it leaves at 0."""
+    level = max(levels.values(), default=0.0)
+    dead = sorted(m for m, v in levels.items() if v <= TOL < level)
+    if not dead:
+        return f"uniform scarcity: every model served at {level:.2%} of its demand"
+    return (f"uniform scarcity: {', '.join(dead)} cannot be served alongside the others with this availability "
+            f"(0%); every other model served at {level:.2%} of its demand")
+
+
+def _targets(problem: AllocationProblem, levels: Mapping[str, float]) -> dict[DemandKey, float]:
+    return {k: levels[k[0]] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
