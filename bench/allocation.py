@@ -2,7 +2,7 @@
 
 `coral bench allocation` writing bench/results/allocation.json (and .png) by default; every option of that command
 applies (`--help`), e.g. python bench/allocation.py --scenarios core --no-helix. The settings are described in
-coral_dagster/allocation/experiments.py.
+bench/allocation_harness.py.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from coral_dagster.allocation.baselines import _Greedy, least_cost_cover, plan_c
 from coral_dagster.allocation.check import plan_violations
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
-from coral_dagster.allocation.synthetic import random_problem, synthetic_template
+from synthetic import random_problem, synthetic_template
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import InfeasibleError
 

@@ -12,7 +12,7 @@ from coral_dagster.allocation.check import plan_violations
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import dominated_ids
-from coral_dagster.allocation.synthetic import random_problem, synthetic_template
+from synthetic import random_problem, synthetic_template
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import InfeasibleError
 

@@ -125,7 +125,7 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
     """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
     from tqdm import tqdm
 
-    from coral_dagster.allocation.experiments import BenchConfig, run_allocation_bench
+    BenchConfig, run_allocation_bench = _harness().BenchConfig, _harness().run_allocation_bench
     from coral_dagster.allocation.scenario_plans import library_templates
     from coral_dagster.plots import bench_png
 
@@ -148,12 +148,23 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
             click.echo(f"wrote {out_path} and {Path(out_path).with_suffix('.png')}")
 
 
+def _harness():
+    """The allocation bench harness: `bench/allocation_harness.py` of this checkout (benches live in the repo)."""
+    import sys
+
+    from coral_dagster import paths
+
+    if str(paths.REPO_ROOT) not in sys.path:
+        sys.path.insert(0, str(paths.REPO_ROOT))
+    import bench.allocation_harness as harness
+
+    return harness
+
+
 def print_bench(doc: dict) -> None:
     """The benchmark's tables (library preparation, one row per setting × scenario × method with fluid and
     simulated goodput, re-planning), then Helix's comparison as JSON."""
-    from coral_dagster.allocation.experiments import bench_tables
-
-    for title, table in bench_tables(doc):
+    for title, table in _harness().bench_tables(doc):
         emit_table(table, title=title)
     if doc.get("helix"):
         click.echo(json.dumps(doc["helix"], indent=2, default=str))
