@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from coral_dagster.allocation.inputs import scenario_problem, scenario_templates
@@ -22,14 +23,14 @@ def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[T
     if stored and _covers(scenario, stored):
         return stored
     built = tuple(build_library(scenario, progress=True))
-    if scenario == load_scenario(scenario.name):
+    if replace(scenario, engine="coral") == load_scenario(scenario.name):
         store_library(store, built, scenario)
     return built
 
 
 def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
-    """Whether every model and phase of the scenario has a template at its SLO."""
-    kinds = {(t.model, t.phase) for t in scenario_templates(scenario, templates)}
+    """Whether every model and phase of the scenario has a template at its SLO (whichever engine runs them)."""
+    kinds = {(t.model, t.phase) for t in scenario_templates(replace(scenario, engine="coral"), templates)}
     return all((m.model, p) in kinds for m in scenario.models for p in ("prefill", "decode"))
 
 

@@ -13,6 +13,7 @@ from coral_dagster.catalog.gpus import gpu_catalog
 from coral_dagster.catalog.market import MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
+from coral_dagster.templates.engines import SERVING_ENGINES
 
 TRACES = ("azure-conv", "azure-code")
 
@@ -49,6 +50,8 @@ class Scenario:
     replan_interval_min: float
     node_startup_min: float
     link_gbps: float | None
+    # What runs the instances: Coral's runtime (every template) or vLLM (templates/engines.py says which).
+    engine: str = "coral"
 
     def model(self, alias: str) -> ScenarioModel:
         """The scenario's entry for one model."""
@@ -155,6 +158,10 @@ def _parse(path: Path) -> Scenario:
             overrides.append((region, NodeConfig.parse(node), k))
     alloc = doc.get("allocation") or {}
     link = doc.get("link_gbps")
+    engine = doc.get("engine", "coral")
+    if engine not in SERVING_ENGINES:
+        raise CatalogError(path, "-", "engine", f"unknown serving engine {engine!r}",
+                           f"use one of {', '.join(SERVING_ENGINES)}")
     return Scenario(
         name=name,
         description=str(doc.get("description", "")),
@@ -169,6 +176,7 @@ def _parse(path: Path) -> Scenario:
         replan_interval_min=float(field(alloc, "replan_interval_min", (int, float), path, "allocation", default=6)),
         node_startup_min=float(field(alloc, "node_startup_min", (int, float), path, "allocation", default=10)),
         link_gbps=float(link) if link is not None else None,
+        engine=engine,
     )
 
 
