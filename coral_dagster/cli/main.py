@@ -2,17 +2,34 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 import click
 
-from coral_dagster.cli import catalog, launch, plan, profile, run, serve, simulate, templates
 from coral_dagster.errors import CoralError
+
+# name -> module:attribute; imported on use, so a GPU node with only the runtime installed runs `coral serve`.
+COMMANDS = {
+    "catalog": "catalog:cli", "run": "run:cli", "profile": "profile:cli", "templates": "templates:cli",
+    "plan": "plan:plan", "bench": "plan:bench", "launch": "launch:launch", "down": "down:down",
+    "serve": "serve:serve", "generate": "serve:generate", "simulate": "simulate:cli", "status": "launch:status",
+}
 
 
 class _Coral(click.Group):
-    """A click group that turns `CoralError` into one readable line and exit status 2."""
+    """A click group that loads each command's module on use and turns `CoralError` into one readable line and
+    exit status 2."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        return getattr(importlib.import_module(f"coral_dagster.cli.{module}"), attr)
 
     def invoke(self, ctx: click.Context):
         try:
@@ -33,16 +50,3 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-main.add_command(catalog.cli, "catalog")
-main.add_command(run.cli, "run")
-main.add_command(profile.cli, "profile")
-main.add_command(templates.cli, "templates")
-main.add_command(plan.plan, "plan")
-main.add_command(plan.bench, "bench")
-main.add_command(launch.launch, "launch")
-main.add_command(serve.serve, "serve")
-main.add_command(serve.generate, "generate")
-main.add_command(simulate.cli, "simulate")
-main.add_command(launch.status, "status")

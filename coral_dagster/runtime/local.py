@@ -106,6 +106,10 @@ class LocalDeployment:
     curve: bool = False
     max_retries: int = 1
     log_dir: Path | None = None
+    # "vllm": each instance is one vLLM head (its split is vLLM's partition) behind a one-stage scheduler.
+    engine: str = "torch"
+    # Extra `coral serve engine` flags for vLLM heads (memory share, context length, eager mode).
+    vllm_args: tuple[str, ...] = ()
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -123,10 +127,13 @@ class LocalDeployment:
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], own_children: bool = False) -> None:
+        """Start `coral serve <argv>`; `own_children` (vLLM, which starts its own processes) spawns a fresh
+        interpreter that may have children, instead of a daemon forked from the preloaded server."""
         env = {"OMP_NUM_THREADS": "1", **(self.keys.env() if self.keys else {})}
-        proc = _process_context().Process(target=_child, args=(argv, str(self.log_dir / f"{name}.log"), env),
-                                          name=name, daemon=True)
+        ctx = multiprocessing.get_context("spawn") if own_children else _process_context()
+        proc = ctx.Process(target=_child, args=(argv, str(self.log_dir / f"{name}.log"), env), name=name,
+                           daemon=not own_children)
         proc.start()
         self.procs[name] = proc
 
@@ -138,10 +145,20 @@ class LocalDeployment:
                                     "--max-retries", str(self.max_retries), *t])
         for inst in self.instances:
             listen = f"tcp://{self.host}:{free_port(self.host)}"
+            split = ",".join(map(str, inst.split))
             self._spawn(f"{inst.name}.scheduler", [
                 "scheduler", "--instance", inst.name, "--model", self.model, "--phase", inst.phase,
-                "--split", ",".join(map(str, inst.split)), "--coordinator", self.coordinator, "--listen", listen,
-                "--tokens-per-s", f"{inst.tokens_per_s:g}", *t])
+                "--split", str(sum(inst.split)) if self.engine == "vllm" else split,
+                "--coordinator", self.coordinator, "--listen", listen, "--tokens-per-s", f"{inst.tokens_per_s:g}",
+                *t])
+            if self.engine == "vllm":
+                self._spawn(f"{inst.name}.vllm", ["engine", "--engine", "vllm", "--node", f"{inst.name}.vllm",
+                                                  "--model", self.model, "--layers", f"0:{sum(inst.split)}",
+                                                  "--split", split, "--stage-rank", "0", "--scheduler", listen,
+                                                  "--listen", f"tcp://{self.host}:*",
+                                                  "--vllm-port", str(free_port(self.host)), *self.vllm_args, *t],
+                            own_children=True)
+                continue
             for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):
                 for k in range(count):
                     node = f"{inst.name}.s{stage}.n{k}"
