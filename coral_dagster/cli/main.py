@@ -29,7 +29,10 @@ class _Coral(click.Group):
         if name not in COMMANDS:
             return None
         module, attr = COMMANDS[name].split(":")
-        return getattr(importlib.import_module(f"coral_dagster.cli.{module}"), attr)
+        try:
+            return getattr(importlib.import_module(f"coral_dagster.cli.{module}"), attr)
+        except ModuleNotFoundError as exc:
+            return _missing(name, exc.name or "a dependency")
 
     def invoke(self, ctx: click.Context):
         try:
@@ -37,6 +40,16 @@ class _Coral(click.Group):
         except CoralError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+
+
+def _missing(name: str, package: str) -> click.Command:
+    """Stands for a command whose libraries this environment lacks (a GPU node has the runtime only)."""
+    def run(**_: object) -> None:
+        raise CoralError(f"`coral {name}` needs {package}, which this environment does not have.",
+                         "install the planner: pip install 'coral-dagster[planner]'")
+
+    return click.Command(name, callback=run, help=f"(unavailable here: needs {package})",
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 
 
 @click.group(cls=_Coral, context_settings={"help_option_names": ["-h", "--help"]})

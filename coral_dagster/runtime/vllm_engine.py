@@ -149,12 +149,24 @@ class VllmEngine:
         cache = self.llm.vllm_config.cache_config
         return int(cache.num_gpu_blocks) * int(cache.block_size)
 
+    def held_layers(self) -> list[list[int]]:
+        """Per pipeline rank, the decoder layers its worker holds (vLLM leaves `PPMissingLayer` elsewhere).
+
+        The callable travels to every worker pickled: vLLM needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for it.
+        """
+        return self.llm.collective_rpc(_held_layers)
+
     def cache_length(self, rid: str) -> int | None:
         return 0 if rid not in self._length else self._length[rid]
 
     def free(self, rid: str) -> None:
         if self._length.pop(rid, None) is not None:
             self.llm.abort_request([rid])
+
+
+def _held_layers(worker) -> list[int]:
+    layers = worker.model_runner.model.model.layers
+    return [i for i, m in enumerate(layers) if type(m).__name__ != "PPMissingLayer"]
 
 
 def vllm_model(model: str) -> tuple[str, int, int, str]:
