@@ -122,7 +122,7 @@ def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
             e = c["envs"]
             assert e["CORAL_SCHEDULER"] == addr[sched["name"]]
             assert e["CORAL_MODEL"] == model.alias and e["CORAL_SPLIT"] == e["VLLM_PP_LAYER_PARTITION"]
-            assert e["CORAL_SPLIT"] == sched["envs"]["CORAL_SPLIT"] and e["CORAL_ENGINE"] == "vllm"
+            assert e["CORAL_SPLIT"] == sched["envs"]["CORAL_SPLIT"] and e["CORAL_ENGINE"] == "torch"
             assert ranges[int(e["CORAL_STAGE_RANK"])] == tuple(map(int, e["CORAL_LAYERS"].split(":")))
             shares[int(e["CORAL_STAGE_RANK"])] = shares.get(int(e["CORAL_STAGE_RANK"]), 0) + float(e["CORAL_SHARE"])
             node = NodeConfig.parse(c["resources"]["accelerators"])

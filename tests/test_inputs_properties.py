@@ -191,9 +191,12 @@ def test_finite_float_accepts_exactly_the_finite_numbers_in_range(text, low, hig
 
 
 def _commands(group, prefix=()):
+    """Every command under a group (the `coral` group loads its commands on demand, so ask it for each)."""
     import click
 
-    for name, cmd in group.commands.items():
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        cmd = group.get_command(ctx, name)
         if isinstance(cmd, click.Group):
             yield from _commands(cmd, (*prefix, name))
         else:

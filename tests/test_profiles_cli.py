@@ -84,14 +84,14 @@ def test_profile_run_rejects_vllm_on_cpu():
 
 
 def test_sky_task_runs_the_same_command():
-    """The SkyPilot task parses, is parameterised by envs, installs the project and pinned vLLM, and runs
+    """The SkyPilot task parses, is parameterised by envs, installs the project and vLLM (setup_node.sh), and runs
     `coral profile run` with those envs."""
     import sky
 
     task = sky.Task.from_yaml(str(ROOT / "sky_tasks" / "profile.yaml"))
     assert {"CORAL_MODEL", "CORAL_PROFILE_NODE", "CORAL_PROFILE_LAYERS", "CORAL_ENGINE", "CORAL_DEVICE"} <= set(
         task.envs)
-    assert "vllm==0.33.0" in task.setup and "pip install -e ." in task.setup
+    assert "bash sky_tasks/setup_node.sh" in task.setup and "pip install -e ." in task.setup
     assert 'coral profile run --model "${CORAL_MODEL}" --node "${CORAL_PROFILE_NODE}"' in task.run
     for flag in ("--layers", "--device", "--engine", "--out", "--json"):
         assert flag in task.run

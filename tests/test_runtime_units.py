@@ -180,18 +180,11 @@ def test_curve_keys_and_loopback_rule():
     assert not is_local("tcp://0.0.0.0:5555") and not is_local("tcp://10.0.0.7:5555")
 
 
-def test_vllm_adapter_sets_the_partition_and_says_what_is_missing():
-    """The adapter checks its layer range, then (vLLM is not installed here) says how to get vLLM."""
-    import importlib.util
-
+def test_make_engine_builds_per_step_engines_only():
+    """vLLM streams whole requests (its head is built by `coral serve engine --engine vllm`); unknown kinds fail."""
     from coral_dagster.runtime.engine import make_engine
-    from coral_dagster.runtime.vllm_engine import vllm_env
 
-    assert vllm_env((20, 30, 30)) == {"VLLM_PP_LAYER_PARTITION": "20,30,30"}
     with pytest.raises(CoralError, match="whole instance"):
-        make_engine("vllm", "llama-3.1-70b", 0, 40, split=(40, 40))
-    if importlib.util.find_spec("vllm") is None:
-        with pytest.raises(CoralError, match=r"coral-dagster\[gpu\]"):
-            make_engine("vllm", "llama-3.1-70b", 0, 80, split=(40, 40))
+        make_engine("vllm", "llama-3.1-70b", 0, 80)
     with pytest.raises(CoralError, match="unknown engine"):
         make_engine("tensorrt", "tiny-llama", 0, 12)

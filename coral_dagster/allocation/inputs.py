@@ -9,6 +9,7 @@ from coral_dagster.allocation.problem import AllocationProblem, offers_from_mark
 from coral_dagster.allocation.recent import Recent
 from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario
+from coral_dagster.templates.engines import runnable
 from coral_dagster.templates.types import Template
 
 
@@ -32,7 +33,8 @@ _SELECTED: Recent[tuple[Template, ...]] = Recent(4)
 
 
 def scenario_templates(scenario: Scenario, templates: Sequence[Template]) -> tuple[Template, ...]:
-    """The templates a scenario can use (in library order): its models, at its SLO per phase, on its nodes.
+    """The templates a scenario can use (in library order): its models, at its SLO per phase, on its nodes,
+    that its serving engine can execute (`templates/engines.py`).
 
     Aggregated templates carry the per-token (decode) SLO, as the library builds them. The selection is
     remembered for the same template sequence, so re-plans share one prepared library.
@@ -53,7 +55,7 @@ def _select(scenario: Scenario, templates: Sequence[Template]) -> tuple[Template
         if abs(t.slo_ms - slo[(t.model, "decode" if t.phase == "aggregated" else t.phase)]) > 1e-9:
             continue
         keep.append(t)
-    return tuple(keep)
+    return runnable(scenario.engine, keep)
 
 
 def scenario_problem(scenario: Scenario, templates: Sequence[Template], market: MarketSnapshot | None = None, *,

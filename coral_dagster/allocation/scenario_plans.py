@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Sequence
 
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_templates
@@ -28,8 +29,8 @@ def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[T
 
 
 def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
-    """Whether every model and phase of the scenario has a template at its SLO."""
-    kinds = {(t.model, t.phase) for t in scenario_templates(scenario, templates)}
+    """Whether every model and phase of the scenario has a template at its SLO (whichever engine runs them)."""
+    kinds = {(t.model, t.phase) for t in scenario_templates(replace(scenario, engine="coral"), templates)}
     return all((m.model, p) in kinds for m in scenario.models for p in ("prefill", "decode"))
 
 

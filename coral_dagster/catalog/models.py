@@ -10,7 +10,7 @@ from coral_dagster import paths
 from coral_dagster.catalog._load import check_unique, field, read_yaml, rows_of
 from coral_dagster.errors import CatalogError, UnknownNameError
 
-BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0}
+BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ from coral_dagster.catalog.gpus import gpu_catalog
 from coral_dagster.catalog.market import REGION_RE, MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
+from coral_dagster.templates.engines import SERVING_ENGINES
 
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
-TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "link_gbps", "models",
+TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "link_gbps", "models", "engine",
                       "availability", "templates", "allocation"})
 MODEL_KEYS = frozenset({"model", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
 TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "prefill_utilisation"})
@@ -73,6 +74,8 @@ class Scenario:
     node_startup_min: float
     link_gbps: float | None
     path: str = dataclass_field(default="", compare=False)
+    # What runs the instances: Coral's runtime (every template) or vLLM (templates/engines.py says which).
+    engine: str = "coral"
 
     @property
     def library_key(self) -> str:
@@ -236,6 +239,10 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
                                                           integer=True))))
     alloc = _section(doc, "allocation", ALLOCATION_KEYS, path)
     link = doc.get("link_gbps")
+    engine = doc.get("engine", "coral")
+    if engine not in SERVING_ENGINES:
+        raise CatalogError(path, "-", "engine", f"unknown serving engine {engine!r}",
+                           f"use one of {', '.join(SERVING_ENGINES)}")
     return Scenario(
         name=name,
         description=description,
@@ -253,6 +260,7 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
         link_gbps=None if link is None else _number(doc, "link_gbps", path, "-", ..., 0.0, MAX_LINK_GBPS,
                                                     low_open=True),
         path=str(path),
+        engine=engine,
     )
 
 

@@ -10,6 +10,7 @@ import pandas as pd
 
 from coral_dagster.allocation.types import METHODS
 from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
+from coral_dagster.deploy.spec import GPU_ROLES
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -28,8 +29,8 @@ def _actions(diff) -> pd.DataFrame:
     """One row per cluster the run would touch."""
     rows = [{"action": "launch", "cluster": n.cluster_name, "role": n.role, "instance": n.instance_id,
              "region": n.region, "node": n.node or None, "instance_type": n.instance_type or None,
-             "spot": n.use_spot if n.role == "engine" else None,
-             "usd_per_hour": n.usd_per_hour if n.role == "engine" else None} for n in diff.nodes_to_launch()]
+             "spot": n.use_spot if n.role in GPU_ROLES else None,
+             "usd_per_hour": n.usd_per_hour if n.role in GPU_ROLES else None} for n in diff.nodes_to_launch()]
     rows += [{"action": "drain+down", "cluster": c, "role": None, "instance": r.instance_id, "region": None,
               "node": None, "instance_type": None, "spot": None, "usd_per_hour": None}
              for r in diff.remove for c in r.clusters]

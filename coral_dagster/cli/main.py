@@ -2,17 +2,37 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 
 import click
 
-from coral_dagster.cli import catalog, launch, plan, profile, run, serve, simulate, templates
 from coral_dagster.errors import CoralError
+
+# name -> module:attribute; imported on use, so a GPU node with only the runtime installed runs `coral serve`.
+COMMANDS = {
+    "catalog": "catalog:cli", "run": "run:cli", "profile": "profile:cli", "templates": "templates:cli",
+    "plan": "plan:plan", "bench": "plan:bench", "launch": "launch:launch", "down": "down:down",
+    "serve": "serve:serve", "generate": "serve:generate", "simulate": "simulate:cli", "status": "launch:status",
+}
 
 
 class _Coral(click.Group):
-    """A click group that turns `CoralError` into one readable line and exit status 2."""
+    """A click group that loads each command's module on use and turns `CoralError` into one readable line and
+    exit status 2."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[name].split(":")
+        try:
+            return getattr(importlib.import_module(f"coral_dagster.cli.{module}"), attr)
+        except ModuleNotFoundError as exc:
+            return _missing(name, exc.name or "a dependency")
 
     def invoke(self, ctx: click.Context):
         try:
@@ -20,6 +40,16 @@ class _Coral(click.Group):
         except CoralError as exc:
             click.echo(f"error: {exc}", err=True)
             sys.exit(2)
+
+
+def _missing(name: str, package: str) -> click.Command:
+    """Stands for a command whose libraries this environment lacks (a GPU node has the runtime only)."""
+    def run(**_: object) -> None:
+        raise CoralError(f"`coral {name}` needs {package}, which this environment does not have.",
+                         "install the planner: pip install 'coral-dagster[planner]'")
+
+    return click.Command(name, callback=run, help=f"(unavailable here: needs {package})",
+                         context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
 
 
 @click.group(cls=_Coral, context_settings={"help_option_names": ["-h", "--help"]})
@@ -33,16 +63,3 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-main.add_command(catalog.cli, "catalog")
-main.add_command(run.cli, "run")
-main.add_command(profile.cli, "profile")
-main.add_command(templates.cli, "templates")
-main.add_command(plan.plan, "plan")
-main.add_command(plan.bench, "bench")
-main.add_command(launch.launch, "launch")
-main.add_command(serve.serve, "serve")
-main.add_command(serve.generate, "generate")
-main.add_command(simulate.cli, "simulate")
-main.add_command(launch.status, "status")

@@ -10,6 +10,7 @@ import click
 
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
+from coral_dagster.templates.engines import SERVING_ENGINES
 
 from coral_dagster.allocation.types import METHODS
 MIXES = ("uniform", "large-heavy", "small-heavy")
@@ -48,6 +49,8 @@ def _print_plan(plan) -> None:
               help="Coral's ILP, or a baseline on the same inputs (helix: single-model scenarios only).")
 @click.option("--availability-scale", type=NON_NEGATIVE, default=1.0, show_default=True,
               help="Multiply every region's node availability (below 1 to plan under scarcity).")
+@click.option("--engine", type=click.Choice(SERVING_ENGINES), default=None,
+              help="What runs the instances (default: the scenario's `engine`): vLLM runs fewer templates.")
 @click.option("--demand-mix", type=click.Choice(MIXES), default="uniform", show_default=True,
               help="Move 80% of requests to the largest or smallest third of the models (total kept).")
 @click.option("--running", "running_id", default=None,
@@ -61,14 +64,17 @@ def _print_plan(plan) -> None:
 @prices_option
 @db_option
 @json_option
-def plan(scenario: str, method: str, availability_scale: float, demand_mix: str, running_id: str | None,
-         scarcity: str, time_limit_s: float, save: bool, db_path: str | None, as_json: bool) -> None:
+def plan(scenario: str, method: str, availability_scale: float, engine: str | None, demand_mix: str,
+         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, db_path: str | None,
+         as_json: bool) -> None:
     """Choose how many instances of which templates to run in which region, at least cost.
 
     Demand per (model, phase) is the scenario's request rate × the trace's mean prompt (prefill) or output
     (decode) tokens × its headroom. Prints instances, served vs demanded tokens/s, cost, the LP-relaxation
     bound and gap; under scarcity, which models and node configurations bind.
     """
+    from dataclasses import replace
+
     from coral_dagster.allocation.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
     from coral_dagster.app.plans import resolve_plan
@@ -79,12 +85,14 @@ def plan(scenario: str, method: str, availability_scale: float, demand_mix: str,
     store = Store(db_path)
     running = resolve_plan(store, running_id, scenario, method) if running_id else None
     scn = load_scenario(scenario)
+    scn = replace(scn, engine=engine or scn.engine)
     market = scn.market(availability_scale=availability_scale)
     result = plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
                            scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
                            db_path=db_path)
     if save:
-        inputs = {"scenario": scenario, "method": method, "availability_scale": availability_scale,
+        inputs = {"scenario": scenario, "method": method, "engine": scn.engine,
+                  "availability_scale": availability_scale,
                   "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
                   "time_limit_s": time_limit_s}
         if result.snapshot_id == market.snapshot_id:

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from coral_dagster.cli._out import NON_NEGATIVE, POSITIVE, FiniteFloat
+from coral_dagster.cli.types import NON_NEGATIVE, POSITIVE, FiniteFloat
 from coral_dagster.errors import CoralError
 
 ENV = "CORAL_"
@@ -204,13 +204,30 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--split", env="SPLIT", default="", help="The instance's layer split (vLLM engine only).")
 @_opt("--tp", env="TP", type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")
 @_opt("--device", env="DEVICE", default=None, help="Torch device (default: cuda if present, else cpu).")
+@_opt("--node-rank", env="NODE_RANK", type=int, default=0, show_default=True,
+      help="vLLM: this node's rank in the instance's pipeline; rank 0 serves, others run `vllm serve --headless`.")
+@_opt("--vllm-head", env="VLLM_HEAD", default="127.0.0.1", show_default=True,
+      help="vLLM: the head node's address (vLLM's --master-addr).")
+@_opt("--vllm-port", env="VLLM_PORT", type=int, default=29501, show_default=True,
+      help="vLLM: the head's torch.distributed port (vLLM's --master-port).")
+@_opt("--max-model-len", env="MAX_MODEL_LEN", type=int, default=4096, show_default=True,
+      help="vLLM: longest prompt + output.")
+@_opt("--gpu-memory-utilization", env="GPU_MEMORY_UTILIZATION", type=FiniteFloat(0.0, 1.0, low_open=True), default=0.9, show_default=True,
+      help="vLLM: share of GPU memory for weights, activations and KV cache.")
+@_opt("--enforce-eager", env="ENFORCE_EAGER", is_flag=True, help="vLLM: no CUDA graphs or compilation.")
 @_insecure
 @_timing_options
 @_json
 def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, scheduler: str, listen: str,
                advertise: str, share: float, engine_kind: str, split: str, tp: int, device: str | None,
-               insecure: bool, as_json: bool, **kw: Any) -> None:
-    """Hold layers [start, end) of the model, run batched forwards and pass activations to the next stage."""
+               node_rank: int, vllm_head: str, vllm_port: int, max_model_len: int, gpu_memory_utilization: float,
+               enforce_eager: bool, insecure: bool, as_json: bool, **kw: Any) -> None:
+    """Hold layers [start, end) of the model, run batched forwards and pass activations to the next stage.
+
+    With `--engine vllm` the node is the head of a vLLM pipeline over the instance's nodes (the whole model,
+    `--split` per vLLM stage, tokens streamed); with `--node-rank` above 0 it becomes that pipeline's
+    headless worker (`vllm serve … --headless`).
+    """
     from coral_dagster.runtime.config import NodeSettings, parse_layers, parse_split
     from coral_dagster.runtime.engine import make_engine
     from coral_dagster.runtime.node import EngineNode
@@ -218,14 +235,25 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     _setup_logging()
     start, end = parse_layers(layers)
     split_t = parse_split(split) if split else ()
+    launch = dict(tp=tp, master_addr=vllm_head, master_port=vllm_port, max_model_len=max_model_len,
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+    if engine_kind == "vllm" and node_rank > 0:
+        _run_headless(model, split_t, node_rank, launch)
+        return
     settings = NodeSettings(node=node or f"{socket.gethostname()}-s{stage_rank}", model=model, start=start, end=end,
                             n_layers=model_layers(model), stage=stage_rank, scheduler=scheduler, listen=listen,
                             advertise=advertise, share=share, engine=engine_kind, split=split_t, tp=tp,
                             timing=_timing(kw))
-    engine = make_engine(engine_kind, model, start, end, split=split_t, tp=tp, device=device)
+    if engine_kind == "vllm":
+        from coral_dagster.runtime.vllm_engine import head_engine
+        from coral_dagster.runtime.vllm_node import VllmNode
+
+        engine, node_cls = head_engine(model, split_t, **launch), VllmNode
+    else:
+        engine, node_cls = make_engine(engine_kind, model, start, end, device=device), EngineNode
     stop = threading.Event()
     _stop_on_signals(stop)
-    n = EngineNode(settings, engine, keys=_keys(), insecure=insecure)
+    n = node_cls(settings, engine, keys=_keys(), insecure=insecure)
     _say(as_json, {"role": "engine", "node": settings.node, "data": n.address},
          f"engine {settings.node} layers {start}:{end} on {n.address}")
     reason = n.run(stop)
@@ -235,9 +263,28 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
                          "start it with the model and layer range its instance expects")
 
 
+def _run_headless(model: str, split: tuple[int, ...], node_rank: int, launch: dict[str, Any]) -> None:
+    """Run `vllm serve … --headless` for pipeline rank `node_rank` in this process, until vLLM exits."""
+    import os
+
+    from coral_dagster.runtime.vllm_engine import VllmLaunch, run_serve_line, vllm_model
+
+    path, n_layers, _, dtype = vllm_model(model)
+    spec = VllmLaunch(path, split or (n_layers,), dtype=dtype, **launch)
+    argv = spec.argv(node_rank)
+    os.environ.update(spec.env())
+    click.echo(" ".join(argv), err=True)
+    try:
+        run_serve_line(argv)
+    except ImportError:
+        raise CoralError("vLLM is not installed on this node.", "run sky_tasks/setup_node.sh first") from None
+
+
 @serve.command("local")
-@click.option("--model", default="tiny-llama", show_default=True, help="Runtime model (torch engine).")
-@click.option("--split", default="3,5,4", show_default=True, help="Layers per stage.")
+@click.option("--model", default="tiny-llama", show_default=True, help="Runtime model.")
+@click.option("--engine", "engine_kind", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
+              help="torch: Coral's stages as separate processes; vllm: one vLLM pipeline per instance.")
+@click.option("--split", default=None, help="Layers per stage (torch default 3,5,4; vllm default one stage).")
 @click.option("--instances", type=int, default=2, show_default=True,
               help="Instances; with --pd half (rounded up) prefill, the rest decode.")
 @click.option("--pd", is_flag=True, help="Disaggregate prefill and decode, handing KV over node to node.")
@@ -253,11 +300,13 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
               help="Restart a scheduler or engine that dies, with exponential back-off.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
 @click.option("--ready-timeout-s", type=POSITIVE, default=120.0, show_default=True, help="Start-up time limit.")
+@click.option("--vllm-args", default="", help="Extra `coral serve engine` flags for vLLM heads, e.g. "
+              "'--gpu-memory-utilization 0.05 --max-model-len 512'.")
 @_timing_options
 @_json
-def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: str | None, stage_nodes: str | None,
-              port: int, host: str, api_key: str | None, restart: bool, log_dir: str | None, ready_timeout_s: float,
-              as_json: bool, **kw: Any) -> None:
+def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, pd: bool, decode_split: str | None,
+              stage_nodes: str | None, port: int, host: str, api_key: str | None, restart: bool, log_dir: str | None,
+              ready_timeout_s: float, vllm_args: str, as_json: bool, **kw: Any) -> None:
     """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C.
 
     Every socket between them is CURVE-encrypted with keys generated for this run; the HTTP front door needs the
@@ -266,10 +315,14 @@ def local_cmd(model: str, split: str, instances: int, pd: bool, decode_split: st
     from coral_dagster.runtime.config import parse_split
     from coral_dagster.runtime.local import LocalDeployment, local_instances
 
+    if engine_kind == "vllm" and (pd or stage_nodes):
+        raise CoralError("a vLLM instance runs aggregated with one node per stage.",
+                         "drop --pd and --stage-nodes with --engine vllm")
+    split = split or (str(model_layers(model)) if engine_kind == "vllm" else "3,5,4")
     layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
                              parse_split(stage_nodes) if stage_nodes else ())
     dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), log_dir=log_dir,
-                          api_key=api_key, restart=restart)
+                          api_key=api_key, restart=restart, engine=engine_kind, vllm_args=tuple(vllm_args.split()))
     stop = threading.Event()
     _stop_on_signals(stop)
     try:

@@ -382,3 +382,34 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
             commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")
         commands += [tasks.down_command(c) for c in removal.clusters]
     return DryRun(tuple(written), tuple(commands))
+
+
+def teardown_removals(records: pd.DataFrame) -> tuple[Removal, ...]:
+    """Every recorded cluster that is not down yet, by instance, the coordinator last (it drains the others)."""
+    removals = [Removal(r.instance_id, r.open_clusters, "coral down") for r in _recorded_instances(records)
+                if r.open_clusters]
+    coord = records[(records.role == "coordinator") & ~records.status.isin(state.SETTLED)]
+    if not coord.empty:
+        removals.append(Removal(COORDINATOR_SLOT, tuple(sorted(coord.cluster_name)), "coral down"))
+    return tuple(removals)
+
+
+def teardown(store: Store, launcher: Launcher, drainer: Drainer, drain_timeout_s: float = 600.0) -> ReconcileReport:
+    """Drain and take down everything `coral launch` started, as recorded; a second run finds nothing left."""
+    records = state.read_nodes(store)
+    removals = teardown_removals(records)
+    up = records[(records.status == "launched") & records.address.notna()]
+    run = _Run(store, f"{state.now_utc():%Y%m%dT%H%M%S%f}-down", dict(zip(up.cluster_name, up.address)))
+    coordinator = next((r.clusters[0] for r in removals if r.instance_id == COORDINATOR_SLOT), None)
+    with store.transaction() as con:
+        state.ensure_tables(con)
+        state.start_run(con, run.run_id, "down")
+        for removal in removals:
+            for cluster in removal.clusters:
+                state.set_status(con, cluster, "draining", run.run_id, "down", removal.reason)
+    for removal in removals:
+        _remove(removal, run.addresses.get(coordinator or ""), launcher, drainer, drain_timeout_s, run)
+    status = "failed" if any(r.clusters for r in teardown_removals(state.read_nodes(store))) else "done"
+    run.finish(status, 0)
+    return ReconcileReport(run.run_id, "down", status, (), (), tuple(run.drained), tuple(run.downed), (),
+                           tuple(run.messages))

@@ -15,12 +15,17 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.deploy import names
 from coral_dagster.errors import CoralError
 from coral_dagster.routing import instance_weight
+from coral_dagster.templates.engines import vllm_violations
 from coral_dagster.templates.types import Template
 
-Role = Literal["coordinator", "scheduler", "engine"]
+Role = Literal["coordinator", "scheduler", "engine", "vllm"]
+# Roles whose clusters carry GPUs (planned and priced); the others are CPU VMs.
+GPU_ROLES: tuple[Role, ...] = ("engine", "vllm")
 COORDINATOR_SLOT = "coordinator"
 # One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
 CORAL_PORT = 5555
+# vLLM's torch.distributed port on an instance's head node (its --master-port), opened beside CORAL_PORT.
+VLLM_MASTER_PORT = 29501
 
 
 @dataclass(frozen=True)
@@ -112,11 +117,11 @@ class InstanceSpec:
 
     @property
     def engines(self) -> tuple[NodeSpec, ...]:
-        return tuple(n for n in self.nodes if n.role == "engine")
+        return tuple(n for n in self.nodes if n.role in GPU_ROLES)
 
     @property
-    def scheduler(self) -> NodeSpec:
-        return next(n for n in self.nodes if n.role == "scheduler")
+    def is_vllm(self) -> bool:
+        return any(n.role == "vllm" for n in self.nodes)
 
 
 def _rate(price: NodePrice, use_spot: bool) -> float:
@@ -174,13 +179,21 @@ def _use_spot(inst: PlannedInstance) -> bool:
 
 
 def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int) -> InstanceSpec:
-    """Name every node of one instance, price it, and give each its envs (engines: layers, stage, share, split)."""
+    """Name every node of one instance, price it, and give each its envs.
+
+    A template vLLM can run (`templates/engines.py`) becomes one vLLM pipeline: a cluster per stage node, the
+    head (rank 0) running the instance's scheduler and vLLM's serving engine, the others vLLM's headless workers
+    wired to the head's address; no scheduler VM. Any other template runs on Coral's runtime: a scheduler
+    cluster and one engine cluster per node (layers, stage, share, split).
+    """
     t = shape.template
     instance_id = f"{names.plan_tag(plan_id)}-i{index}"
     slot = f"{shape.fingerprint}#{replica}"
     common = dict(slot=slot, instance_id=instance_id, plan_id=plan_id, region=shape.region, model=t.model,
                   phase=t.phase, template_id=t.template_id, replica=replica, instance_index=index,
                   use_spot=shape.use_spot)
+    if not vllm_violations(t):
+        return _vllm_instance(shape, replica, plan_id, index, instance_id, slot, common)
     stage_names = [[names.engine_name(plan_id, t.model, t.phase, index, s, k) for k in range(len(stage.nodes))]
                    for s, stage in enumerate(t.stages)]
     sched = names.scheduler_name(plan_id, t.model, t.phase, index)
@@ -196,7 +209,7 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
                 "CORAL_SHARE": f"{stage.shares[k]:.6g}",
                 "CORAL_SPLIT": t.pp_partition,
                 "CORAL_TP": str(node.count),
-                "CORAL_ENGINE": "vllm",
+                "CORAL_ENGINE": "torch",
                 "VLLM_PP_LAYER_PARTITION": t.pp_partition,
             }
             engines.append(NodeSpec(cluster_name=stage_names[s][k], role="engine", stage=s, node_index=k,
@@ -214,6 +227,37 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
     }
     scheduler = NodeSpec(cluster_name=sched, role="scheduler", envs=tuple(sorted(sched_envs.items())), **common)
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, (scheduler, *engines))
+
+
+def _vllm_instance(shape: InstanceShape, replica: int, plan_id: str, index: int, instance_id: str, slot: str,
+                   common: dict) -> InstanceSpec:
+    """One vLLM pipeline: node rank = stage; every node gets the split, TP and (wired) the head's address."""
+    t = shape.template
+    cluster_names = [names.engine_name(plan_id, t.model, t.phase, index, s, 0) for s in range(len(t.stages))]
+    nodes = []
+    for rank, stage in enumerate(t.stages):
+        node = stage.nodes[0]
+        price = shape.price_of(node)
+        envs = {
+            "CORAL_NODE": cluster_names[rank],
+            "CORAL_INSTANCE": instance_id,
+            "CORAL_MODEL": t.model,
+            "CORAL_PHASE": t.phase,
+            "CORAL_LAYERS": f"0:{t.stages[-1].end}",
+            "CORAL_SPLIT": t.pp_partition,
+            "CORAL_TP": str(node.count),
+            "CORAL_NODE_RANK": str(rank),
+            "CORAL_VLLM_PORT": str(VLLM_MASTER_PORT),
+            "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
+            "CORAL_REGION": shape.region,
+            "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
+            "VLLM_PP_LAYER_PARTITION": t.pp_partition,
+        }
+        nodes.append(NodeSpec(cluster_name=cluster_names[rank], role="vllm", stage=rank, node_index=0,
+                              node=str(node), instance_type=price.instance_type,
+                              usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
+                              wires=(("CORAL_VLLM_HEAD", (cluster_names[0],)),) if rank else (), **common))
+    return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(nodes))
 
 
 def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, NodeSpec
+from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, VLLM_MASTER_PORT, NodeSpec
 from coral_dagster.errors import CatalogError, CoralError
 
 SKY_TASKS_DIR = paths.REPO_ROOT / "sky_tasks"
@@ -82,8 +82,9 @@ def task_config(node: NodeSpec, wired: Mapping[str, str] | None = None) -> dict[
     cfg = copy.deepcopy(role_template(node.role))
     cfg["name"] = node.cluster_name
     resources = dict(cfg["resources"])
-    resources.update(cloud=node.cloud, region=node.cloud_region, ports=CORAL_PORT)
-    if node.role == "engine":
+    resources.update(cloud=node.cloud, region=node.cloud_region,
+                     ports=[CORAL_PORT, VLLM_MASTER_PORT] if node.role == "vllm" else CORAL_PORT)
+    if node.role in GPU_ROLES:
         resources.update(accelerators=node.node, instance_type=node.instance_type, use_spot=node.use_spot)
     cfg["resources"] = resources
     envs = {**cfg["envs"], **node.env(), **(wired or {})}

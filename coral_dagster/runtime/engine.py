@@ -101,16 +101,17 @@ def validate_layers(start: int, end: int, n_layers: int) -> None:
                          f"pass --layers start:end with 0 <= start < end <= {n_layers}")
 
 
-def make_engine(kind: str, model: str, start: int, end: int, split: tuple[int, ...] = (),
-                tp: int = 1, device: str | None = None) -> Engine:
-    """Build the engine `kind` for layers `[start, end)`; heavy libraries are imported only here."""
+def make_engine(kind: str, model: str, start: int, end: int, device: str | None = None) -> Engine:
+    """Build the per-step engine `kind` for layers `[start, end)`; torch is imported only here.
+
+    vLLM is not a per-step engine: its head (`runtime/vllm_engine.py`) streams whole requests.
+    """
     if kind == "torch":
         from coral_dagster.runtime.tiny import decoder_config
         from coral_dagster.runtime.torch_engine import TorchEngine
 
         return TorchEngine(decoder_config(model), start, end, device=device)
     if kind == "vllm":
-        from coral_dagster.runtime.vllm_engine import VllmEngine
-
-        return VllmEngine(model, start, end, split=split, tp=tp)
+        raise CoralError("the vLLM engine holds a whole instance and streams whole requests, not layer steps.",
+                         "start it with `coral serve engine --engine vllm` (runtime/vllm_engine.py)")
     raise CoralError(f"unknown engine {kind!r}.", f"use one of: {', '.join(ENGINE_KINDS)}")

@@ -142,6 +142,10 @@ class LocalDeployment:
     restart: bool = True
     backoff_s: float = 0.5
     max_backoff_s: float = 30.0
+    # "vllm": each instance is one vLLM head (its split is vLLM's partition) behind a one-stage scheduler.
+    engine: str = "torch"
+    # Extra `coral serve engine` flags for vLLM heads (memory share, context length, eager mode).
+    vllm_args: tuple[str, ...] = ()
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
 
@@ -157,6 +161,7 @@ class LocalDeployment:
         with os.fdopen(fd, "w") as f:
             f.write(self.api_key + "\n")
         self._argv: dict[str, list[str]] = {}
+        self._own_children: dict[str, bool] = {}
         self._stopping = threading.Event()
         self._supervisor: threading.Thread | None = None
 
@@ -168,16 +173,21 @@ class LocalDeployment:
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], own_children: bool = False) -> None:
+        """Start `coral serve <argv>`; `own_children` (vLLM, which starts its own processes) spawns a fresh
+        interpreter that may have children, instead of a daemon forked from the preloaded server."""
         # Secrets travel in the environment, never on a command line that `ps` shows.
         env = {"OMP_NUM_THREADS": "1", **self.keys.env(), ENV_API_KEY: self.api_key}
         log_path = self.log_dir / f"{name}.log"
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
-        proc = _process_context().Process(target=_child, args=(argv, str(log_path), env, os.getpid()), name=name, daemon=True)
+        ctx = multiprocessing.get_context("spawn") if own_children else _process_context()
+        proc = ctx.Process(target=_child, args=(argv, str(log_path), env, os.getpid()), name=name,
+                           daemon=not own_children)
         proc.start()
         self.procs[name] = proc
         self._argv[name] = argv
+        self._own_children[name] = own_children
 
     def start(self) -> None:
         """Launch the coordinator, then each instance's scheduler and engine nodes."""
@@ -187,10 +197,20 @@ class LocalDeployment:
                                     "--max-retries", str(self.max_retries), *t])
         for inst in self.instances:
             listen = f"tcp://{self.host}:{free_port(self.host)}"
+            split = ",".join(map(str, inst.split))
             self._spawn(f"{inst.name}.scheduler", [
                 "scheduler", "--instance", inst.name, "--model", self.model, "--phase", inst.phase,
-                "--split", ",".join(map(str, inst.split)), "--coordinator", self.coordinator, "--listen", listen,
-                "--tokens-per-s", f"{inst.tokens_per_s:g}", *t])
+                "--split", str(sum(inst.split)) if self.engine == "vllm" else split,
+                "--coordinator", self.coordinator, "--listen", listen, "--tokens-per-s", f"{inst.tokens_per_s:g}",
+                *t])
+            if self.engine == "vllm":
+                self._spawn(f"{inst.name}.vllm", ["engine", "--engine", "vllm", "--node", f"{inst.name}.vllm",
+                                                  "--model", self.model, "--layers", f"0:{sum(inst.split)}",
+                                                  "--split", split, "--stage-rank", "0", "--scheduler", listen,
+                                                  "--listen", f"tcp://{self.host}:*",
+                                                  "--vllm-port", str(free_port(self.host)), *self.vllm_args, *t],
+                            own_children=True)
+                continue
             for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):
                 for k in range(count):
                     node = f"{inst.name}.s{stage}.n{k}"
@@ -236,7 +256,7 @@ class LocalDeployment:
                 elif now >= due[name]:
                     del due[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
-                    self._spawn(name, self._argv[name])
+                    self._spawn(name, self._argv[name], self._own_children[name])
 
     def info(self) -> dict[str, Any]:
         return {"http": self.http_url, "coordinator": self.coordinator, "log_dir": str(self.log_dir),

@@ -37,6 +37,9 @@ class EngineNode:
     `welcome`, `reject`, `rehello`, `ping`, `free {rid}`, `stop`.
     """
 
+    # Whether the engine generates whole requests from one submission (the scheduler then sends one forward).
+    streams = False
+
     def __init__(self, settings: NodeSettings, engine: Engine, keys: CurveKeys | None = None,
                  insecure: bool = False, ctx: zmq.Context | None = None) -> None:
         self.s, self.engine = settings, engine
@@ -75,7 +78,7 @@ class EngineNode:
     def _hello(self) -> None:
         s = self.s
         self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
-                            "data": self.address, "model": s.model, "engine": s.engine})
+                            "data": self.address, "model": s.model, "engine": s.engine, "streams": self.streams})
 
     def _error(self, rid: str, problem: str, status: int | None = None) -> None:
         """Fail one request on this node; `status` 400 says the request itself is at fault (not retried)."""
@@ -95,6 +98,7 @@ class EngineNode:
         poller.register(self.data, zmq.POLLIN)
         last_beat = last_upstream = 0.0
         started = time.monotonic()
+        busy = False
         try:
             while not stop.is_set():
                 now = time.monotonic()
@@ -102,7 +106,7 @@ class EngineNode:
                     self._hello() if not self.welcomed else self._to_scheduler(
                         {"kind": "heartbeat", "cached": len(self._touched)})
                     last_beat = now
-                events = dict(poller.poll(timeout=int(1000 * t.heartbeat_s / 2)))
+                events = dict(poller.poll(timeout=0 if busy else int(1000 * t.heartbeat_s / 2)))
                 now = time.monotonic()
                 if self.ctl in events:
                     last_upstream = now
@@ -113,6 +117,7 @@ class EngineNode:
                 batch += self._unparked(now)
                 if batch:
                     self._run_batch(batch)
+                busy = self._advance()
                 self._expire(now)
                 upstream = last_upstream or started
                 if self.welcomed and now - upstream > t.orphan_after_s:
@@ -241,6 +246,10 @@ class EngineNode:
         if handoff:
             self.engine.free(step.rid)
             self._touched.pop(step.rid, None)
+
+    def _advance(self) -> bool:
+        """Progress a streaming engine makes between messages; whether work is left (none for per-step engines)."""
+        return False
 
     def _pass_on(self, h: dict[str, Any], step: Step, hidden: np.ndarray) -> None:
         route, stage = h["route"], int(h["stage"]) + 1

@@ -27,6 +27,8 @@ class _Node:
     share: float
     address: str
     last_seen: float
+    # The node generates a whole request from one submission (vLLM) instead of one forward per token.
+    streams: bool = False
 
 
 @dataclass
@@ -41,6 +43,7 @@ class _Request:
     ignore_eos: bool
     n_out: int = 0
     last_progress: float = field(default_factory=time.monotonic)
+    streamed: bool = False
 
 
 class Scheduler:
@@ -247,7 +250,8 @@ class Scheduler:
             log.warning(problem)
             self._to_node(name, {"kind": "reject", "problem": problem})
             return
-        self.nodes[name] = _Node(name, stage, float(h.get("share", 1.0)), str(h["data"]), now)
+        self.nodes[name] = _Node(name, stage, float(h.get("share", 1.0)), str(h["data"]), now,
+                                 bool(h.get("streams")))
         self._to_node(name, {"kind": "welcome"})
         self._set_health()
 
@@ -263,6 +267,8 @@ class Scheduler:
 
     def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None) -> None:
         header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff}
+        if r.streamed:
+            header["max_tokens"] = r.max_tokens
         if not wire.send(self._push(r.route[0]), header, [np.asarray(tokens, dtype=np.int64)]):
             self._fail(r.rid, f"first stage at {r.route[0]} is not accepting requests")
 
@@ -311,6 +317,8 @@ class Scheduler:
         route = self._route()
         mode = {"generate": "aggregated"}.get(kind, kind)
         r = _Request(rid, mode, route, 0, int(h.get("max_tokens", 1)), bool(h.get("ignore_eos")), last_progress=now)
+        streaming = {n.address for n in self.nodes.values() if n.streams}
+        r.streamed = mode == "aggregated" and all(a in streaming for a in route)
         self.requests[rid] = r
         if kind == "decode":
             r.pos = int(h["prompt_len"])
@@ -336,7 +344,7 @@ class Scheduler:
             del self.requests[rid]
             self._free(r)
             self._to_coord({"kind": "done", "rid": rid, "finish_reason": reason})
-        else:
+        elif not r.streamed:
             self._forward(r, [token])
 
     def close(self) -> None:

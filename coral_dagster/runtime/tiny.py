@@ -43,9 +43,12 @@ def _eligible(spec: ModelSpec) -> bool:
                 or spec.sliding_window)
 
 
-def reduce_architecture(spec: ModelSpec, name: str, n_layers: int = 12, hidden: int = 128,
-                        head_dim: int = 16, vocab: int = 512) -> DecoderConfig:
-    """`spec` shrunk to `n_layers` × `hidden`, keeping its GQA ratio and MLP-to-hidden ratio."""
+def reduce_architecture(spec: ModelSpec, name: str, n_layers: int = 12, hidden: int = 256,
+                        head_dim: int = 32, vocab: int = 512) -> DecoderConfig:
+    """`spec` shrunk to `n_layers` × `hidden`, keeping its GQA ratio and MLP-to-hidden ratio.
+
+    32 is the smallest head size vLLM's CPU attention runs, so the same tiny models serve under vLLM.
+    """
     n_heads = hidden // head_dim
     group = spec.n_heads // spec.n_kv_heads
     if n_heads % group:

@@ -1,73 +1,191 @@
-"""The vLLM engine for GPU nodes: vLLM runs an instance's stages with Coral's uneven layer split.
+"""The vLLM engine: one serving instance as vLLM's own pipeline, streaming tokens with continuous batching.
 
-Untested here (no GPU, vLLM not installed). vLLM has no public API to drive one pipeline stage from outside,
-so this adapter holds the whole instance: vLLM's own pipeline parallelism places the stages on the instance's
-nodes (Ray) using `VLLM_PP_LAYER_PARTITION`, and the Coral node in front of it is a one-stage instance to the
-scheduler. Each step re-submits the request's tokens with prefix caching on, so only the new tokens are computed.
+vLLM runs one pipeline over separately started nodes with its multiprocessing executor: every node runs
+`vllm serve M -tp T -pp P --nnodes N --node-rank i --master-addr HEAD` with `VLLM_PP_LAYER_PARTITION` set,
+the others `--headless`. The head (rank 0) here is Coral's engine node, which builds vLLM's engine in-process
+from the very same command line (parsed by vLLM's own parser), so the head and the headless nodes cannot
+disagree. Each request is submitted once with its prompt and output budget; tokens stream out step by step.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime.engine import Engine, Step, StepOutput, validate_layers
 
 
-def vllm_env(split: Sequence[int]) -> dict[str, str]:
-    """Environment that makes vLLM split layers as the template does (vLLM checks the sum itself)."""
-    return {"VLLM_PP_LAYER_PARTITION": ",".join(str(n) for n in split)}
+@dataclass(frozen=True)
+class VllmLaunch:
+    """Everything one vLLM node of an instance is started with; `argv(rank)` is its `vllm serve` line."""
+
+    model: str
+    split: tuple[int, ...]
+    tp: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    dtype: str = "auto"
+    enforce_eager: bool = False
+
+    @property
+    def nnodes(self) -> int:
+        return len(self.split)
+
+    def env(self) -> dict[str, str]:
+        """Environment every node of the instance needs: the layer split, as vLLM validates it."""
+        return {"VLLM_PP_LAYER_PARTITION": ",".join(str(n) for n in self.split)}
+
+    def argv(self, node_rank: int) -> list[str]:
+        """`vllm serve …` for node `node_rank`: rank 0 serves, the others are headless workers."""
+        if not 0 <= node_rank < self.nnodes:
+            raise CoralError(f"node rank {node_rank} is outside this {self.nnodes}-node instance.",
+                             f"pick a rank in 0..{self.nnodes - 1}")
+        args = ["vllm", "serve", self.model, "--tensor-parallel-size", str(self.tp),
+                "--pipeline-parallel-size", str(len(self.split)), "--distributed-executor-backend", "mp",
+                "--max-model-len", str(self.max_model_len),
+                "--gpu-memory-utilization", f"{self.gpu_memory_utilization:g}", "--dtype", self.dtype,
+                "--skip-tokenizer-init", "--generation-config", "vllm"]
+        if self.enforce_eager:
+            args.append("--enforce-eager")
+        if self.nnodes > 1:
+            args += ["--nnodes", str(self.nnodes), "--node-rank", str(node_rank),
+                     "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
+        if node_rank > 0:
+            args.append("--headless")
+        return args
 
 
-class VllmEngine(Engine):
-    """Every layer of a catalog model behind vLLM (`tp` GPUs per node, one pipeline stage per split entry)."""
+def parse_serve_line(argv: Sequence[str]):
+    """(vLLM's `serve` subcommand, its parsed arguments) for a `vllm serve …` line, by vLLM's own parser: the
+    one `vllm serve` builds (its `vllm` launcher cannot run from the CPU build, which lacks the `vllm`
+    distribution name its version flag reads)."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    def __init__(self, model: str, start: int, end: int, split: tuple[int, ...] = (), tp: int = 1) -> None:
-        from coral_dagster.catalog.models import get_model
+    if list(argv[:2]) != ["vllm", "serve"]:
+        raise CoralError(f"{' '.join(argv[:2])!r} is not a `vllm serve` line.", "build it with VllmLaunch.argv")
+    parser = FlexibleArgumentParser(prog="vllm")
+    command = ServeSubcommand()
+    command.subparser_init(parser.add_subparsers(dest="subparser"))
+    args = parser.parse_args(list(argv[1:]))
+    command.validate(args)
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+    return command, args
 
-        spec = get_model(model)
-        validate_layers(start, end, spec.n_layers)
-        if (start, end) != (0, spec.n_layers):
-            raise CoralError(f"the vLLM engine holds a whole instance, not layers {start}:{end}.",
-                             f"run one vLLM node per instance with --layers 0:{spec.n_layers} --split "
-                             f"{','.join(map(str, split)) or spec.n_layers}; vLLM places the stages itself")
+
+def engine_args(argv: Sequence[str]):
+    """vLLM's `EngineArgs` from a `vllm serve …` line."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return EngineArgs.from_cli_args(parse_serve_line(argv)[1])
+
+
+def run_serve_line(argv: Sequence[str]) -> None:
+    """Run a `vllm serve …` line in this process, as the `vllm` launcher would (a headless worker blocks here)."""
+    command, args = parse_serve_line(argv)
+    command.cmd(args)
+
+
+class VllmEngine:
+    """The head of a vLLM instance: requests go in once, then `step()` returns the tokens each one produced.
+
+    Duck-types the parts of `Engine` an engine node reads (`is_first`, `cache_length`, `free`); it does not run
+    Coral's per-step forwards, and it holds every layer (vLLM places the stages on the instance's nodes).
+    """
+
+    is_first = True
+    is_last = True
+
+    def __init__(self, launch: VllmLaunch, n_layers: int, vocab: int) -> None:
+        if sum(launch.split) != n_layers:
+            raise CoralError(f"{sum(launch.split)=} does not match {n_layers=} of {launch.model}.",
+                             "make the vLLM layer split add up to the model's layers")
         try:
-            from vllm import LLM, SamplingParams
+            from vllm import LLMEngine
         except ImportError:
             raise CoralError("vLLM is not installed on this node.",
-                             "install the GPU extra (`pip install coral-dagster[gpu]`) or use --engine torch") from None
-        split = split or (spec.n_layers,)
-        os.environ.update(vllm_env(split))
-        self.start, self.end, self.n_layers, self.vocab = 0, spec.n_layers, spec.n_layers, spec.vocab
-        self.llm = LLM(model=spec.hf_id, tensor_parallel_size=tp, pipeline_parallel_size=len(split),
-                       enable_prefix_caching=True,
-                       distributed_executor_backend="ray" if len(split) > 1 else None)
-        self.params = SamplingParams(temperature=0.0, max_tokens=1)
-        self._tokens: dict[str, list[int]] = {}
+                             "run sky_tasks/setup_node.sh (CORAL_VLLM_SPEC picks the build) or use --engine torch"
+                             ) from None
+        os.environ.update(launch.env())
+        self.launch, self.start, self.end, self.n_layers, self.vocab = launch, 0, n_layers, n_layers, vocab
+        self.llm = LLMEngine.from_engine_args(engine_args(launch.argv(0)))
+        self._length: dict[str, int] = {}
 
-    def forward(self, steps: list[Step]) -> list[StepOutput]:
-        prompts = []
-        for s in steps:
-            history = self._tokens.setdefault(s.rid, [])
-            if len(history) != s.pos:
-                raise ValueError(f"request {s.rid}: step at position {s.pos} but {len(history)} tokens are known")
-            history.extend(int(t) for t in np.asarray(s.tokens))
-            prompts.append({"prompt_token_ids": list(history)})
-        outputs = self.llm.generate(prompts, self.params, use_tqdm=False)
-        return [StepOutput(s.rid, token=int(o.outputs[0].token_ids[0])) for s, o in zip(steps, outputs)]
+    def submit(self, rid: str, prompt: np.ndarray, max_tokens: int) -> None:
+        """Queue `rid` with its prompt; greedy, EOS left to the scheduler's stop rule."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        tokens = [int(t) for t in np.asarray(prompt)]
+        if not tokens or not all(0 <= t < self.vocab for t in tokens):
+            raise ValueError(f"request {rid}: prompt token ids must lie in [0, {self.vocab})")
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
+                                output_kind=RequestOutputKind.DELTA)
+        self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)
+        self._length[rid] = len(tokens)
+
+    def has_work(self) -> bool:
+        return self.llm.has_unfinished_requests()
+
+    def step(self) -> list[tuple[str, int, int]]:
+        """One engine step: (request, token, positions now known) for every token it produced, in order."""
+        out = []
+        for o in self.llm.step():
+            for token in o.outputs[0].token_ids if o.outputs else ():
+                self._length[o.request_id] = self._length.get(o.request_id, 0) + 1
+                out.append((o.request_id, int(token), self._length[o.request_id]))
+            if o.finished:
+                self._length.pop(o.request_id, None)
+        return out
+
+    def kv_cache_tokens(self) -> int:
+        """Tokens of KV cache vLLM allotted (blocks × block size), the same on every worker."""
+        cache = self.llm.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+    def held_layers(self) -> list[list[int]]:
+        """Per pipeline rank, the decoder layers its worker holds (vLLM leaves `PPMissingLayer` elsewhere).
+
+        The callable travels to every worker pickled: vLLM needs VLLM_ALLOW_INSECURE_SERIALIZATION=1 for it.
+        """
+        return self.llm.collective_rpc(_held_layers)
 
     def cache_length(self, rid: str) -> int | None:
-        return len(self._tokens.get(rid, ()))
-
-    def export_kv(self, rid: str, start: int, end: int) -> list[np.ndarray]:
-        raise CoralError("the vLLM adapter does not hand KV over node to node.",
-                         "run PD with vLLM's own KV connector (kv_transfer_config), or aggregated instances")
-
-    def import_kv(self, rid: str, start: int, end: int, arrays: list[np.ndarray]) -> None:
-        self.export_kv(rid, start, end)
+        return 0 if rid not in self._length else self._length[rid]
 
     def free(self, rid: str) -> None:
-        self._tokens.pop(rid, None)
+        if self._length.pop(rid, None) is not None:
+            self.llm.abort_request([rid])
+
+
+def _held_layers(worker) -> list[int]:
+    layers = worker.model_runner.model.model.layers
+    return [i for i, m in enumerate(layers) if type(m).__name__ != "PPMissingLayer"]
+
+
+def vllm_model(model: str) -> tuple[str, int, int, str]:
+    """(what `vllm serve` loads, layers, vocabulary, dtype): a tiny decoder exported as a Hugging Face directory
+    in float32 (the torch engine's weights), else the catalog model's Hugging Face id."""
+    from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
+
+    if model.lower().startswith(TINY_PREFIX):
+        from coral_dagster.runtime.hf_export import export_tiny
+
+        cfg = decoder_config(model)
+        return str(export_tiny(model)), cfg.n_layers, cfg.vocab, cfg.dtype
+    from coral_dagster.catalog.models import get_model
+
+    spec = get_model(model)
+    return spec.hf_id, spec.n_layers, spec.vocab, "auto"
+
+
+def head_engine(model: str, split: tuple[int, ...], **launch) -> VllmEngine:
+    """The vLLM head (node rank 0) for `model` split as `split` (default: one stage); `launch` as VllmLaunch."""
+    path, n_layers, vocab, dtype = vllm_model(model)
+    return VllmEngine(VllmLaunch(path, split or (n_layers,), dtype=dtype, **launch), n_layers, vocab)

@@ -1,0 +1,63 @@
+"""A tiny decoder's weights as a Hugging Face Llama directory, so vLLM loads exactly what the torch engine runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from coral_dagster.runtime.tiny import DecoderConfig, decoder_config
+from coral_dagster.runtime.tokenizer import BOS, EOS
+
+MODELS_ENV = "CORAL_MODELS_DIR"
+
+
+def hf_config(cfg: DecoderConfig) -> dict:
+    """`config.json` of a `LlamaForCausalLM` with `cfg`'s shape (untied head, no biases, plain RoPE)."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": cfg.hidden, "intermediate_size": cfg.intermediate, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "max_position_embeddings": cfg.max_context, "tie_word_embeddings": False, "attention_bias": False,
+        "mlp_bias": False, "bos_token_id": BOS, "eos_token_id": EOS, "torch_dtype": cfg.dtype, "dtype": cfg.dtype,
+    }
+
+
+def hf_state_dict(cfg: DecoderConfig) -> dict:
+    """Every tensor under the names `LlamaForCausalLM` uses, from the torch engine's seeded weights."""
+    from coral_dagster.runtime.torch_engine import embedding_weights, head_weights, layer_weights
+
+    names = {"attn_norm": "input_layernorm", "wq": "self_attn.q_proj", "wk": "self_attn.k_proj",
+             "wv": "self_attn.v_proj", "wo": "self_attn.o_proj", "mlp_norm": "post_attention_layernorm",
+             "w_gate": "mlp.gate_proj", "w_up": "mlp.up_proj", "w_down": "mlp.down_proj"}
+    out = {"model.embed_tokens.weight": embedding_weights(cfg)}
+    for i in range(cfg.n_layers):
+        w = layer_weights(cfg, i)
+        out.update({f"model.layers.{i}.{hf}.weight": getattr(w, ours) for ours, hf in names.items()})
+    out["model.norm.weight"], out["lm_head.weight"] = head_weights(cfg)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def models_dir() -> Path:
+    """Where exported models are kept: $CORAL_MODELS_DIR, else ~/.cache/coral/models."""
+    return Path(os.environ.get(MODELS_ENV) or Path.home() / ".cache" / "coral" / "models")
+
+
+def export_tiny(name: str, root: Path | None = None) -> Path:
+    """Write (once) the tiny decoder `name` as a Hugging Face directory in float32; returns the directory."""
+    from safetensors.torch import save_file
+
+    cfg = decoder_config(name)
+    out = (root or models_dir()) / f"{cfg.name}-seed{cfg.seed}"
+    config = json.dumps(hf_config(cfg), indent=2, sort_keys=True)
+    if (out / "model.safetensors").is_file() and (out / "config.json").read_text() == config:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "model.safetensors.tmp"
+    save_file(hf_state_dict(cfg), str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": BOS, "eos_token_id": EOS}))
+    (out / "config.json").write_text(config)
+    return out

@@ -1,0 +1,41 @@
+"""The engine node in front of a vLLM instance's head: one submission per request, tokens streamed back."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from coral_dagster.runtime.engine import Step
+from coral_dagster.runtime.node import EngineNode
+
+
+class VllmNode(EngineNode):
+    """Speaks the engine-node protocol to the scheduler; a `forward` carries the prompt and `max_tokens` once,
+    and every token vLLM produces goes to the scheduler as it appears (`free` aborts the request in vLLM)."""
+
+    streams = True
+
+    def _run_batch(self, batch: list[tuple[dict[str, Any], Step]]) -> None:
+        for h, step in batch:
+            try:
+                if step.pos != 0 or step.tokens is None:
+                    raise ValueError(f"a vLLM instance takes each request once, from position 0 (got {step.pos})")
+                self.engine.submit(step.rid, step.tokens, int(h["max_tokens"]))
+            except (KeyError, TypeError, ValueError) as exc:
+                self._error(step.rid, f"vLLM did not take the request: {exc}")
+        self.steps_run += 1
+
+    def _advance(self) -> bool:
+        if not self.engine.has_work():
+            return False
+        try:
+            produced = self.engine.step()
+        except Exception as exc:  # noqa: BLE001 - vLLM's engine failing fails its requests, reported by name
+            for rid in list(self._touched):
+                self._error(rid, f"vLLM step failed: {exc}")
+            return False
+        now = time.monotonic()
+        for rid, token, pos in produced:
+            self._touched[rid] = now
+            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos})
+        return self.engine.has_work()

