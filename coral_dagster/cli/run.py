@@ -31,7 +31,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
     """
     if db_path:
         os.environ["CORAL_DB"] = str(db_path)
-    from coral_dagster.app.plans import latest_plan
+    from coral_dagster.allocation.storage import load_plan
     from coral_dagster.definitions import dagster_home, materialize_pipeline
     from coral_dagster.store import Store
 
@@ -40,7 +40,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
                                   log_level="INFO" if verbose else "CRITICAL",
                                   on_step=lambda step: click.echo(f"materialize: {step}", err=True))
     store = Store()
-    plan = latest_plan(store, scenario)
+    plan = load_plan(store, result.metadata["allocation_plan"]["plan_id"].value)  # the plan this run made
     summary = run_summary(store, plan, result)
     if as_json:
         emit_json(summary)
