@@ -90,3 +90,17 @@ def test_dagster_cli_validates_the_workspace(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "All code locations passed validation" in out.stdout + out.stderr
+
+
+def test_coral_run_records_into_the_project_dagster_home_by_default_which_git_ignores(monkeypatch):
+    import subprocess
+
+    from coral_dagster.definitions import dagster_home
+    from coral_dagster.paths import REPO_ROOT
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert dagster_home() == (REPO_ROOT / ".dagster").resolve()
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(dagster_home() / "dagster.yaml")], cwd=REPO_ROOT)
+    assert ignored.returncode == 0
+    monkeypatch.setenv("DAGSTER_HOME", str(REPO_ROOT / "elsewhere"))
+    assert dagster_home() == REPO_ROOT / "elsewhere"
