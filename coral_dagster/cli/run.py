@@ -103,11 +103,12 @@ def churn_sentence(summary: dict) -> str:
     cost, before = plan["cost_usd_per_hour"], prev["cost_usd_per_hour"]
     change = (f"costs the same (${cost:,.2f}/h)" if abs(cost - before) < 0.005 else
               f"costs ${cost:,.2f}/h against ${before:,.2f}/h ({cost - before:+,.2f} $/h, {cost / before - 1:+.1%})")
-    moves = (f"launches {prev['instances_launched']:,} instance(s) and removes {prev['instances_removed']:,}"
-             if prev["instances_launched"] or prev["instances_removed"] else "keeps every instance")
-    return (f"Against the previous {label} ({prev['plan_id']}), this one {change} and {moves}; launching is priced "
-            f"as churn at ${plan['churn_usd_per_hour']:,.2f}/h in the objective (not in the cost), so it can keep "
-            "a running instance a fresh plan would not choose.")
+    if not (prev["instances_launched"] or prev["instances_removed"]):
+        return f"Against the previous {label} ({prev['plan_id']}), this one {change} and keeps every instance."
+    return (f"Against the previous {label} ({prev['plan_id']}), this one {change}, launches "
+            f"{prev['instances_launched']:,} instance(s) and removes {prev['instances_removed']:,}; launching is "
+            f"priced as churn (${plan['churn_usd_per_hour']:,.2f}/h in the objective, not in the cost), so a plan "
+            "may keep a running instance a fresh plan would not choose.")
 
 
 def print_summary(summary: dict, plan, simulate_s: float) -> None:
