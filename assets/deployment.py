@@ -7,10 +7,11 @@ from resources.launcher import SkyPilotLauncher
 from resources.store import CoralDuckDB
 
 
-@dg.asset(group_name="deployment", kinds={"skypilot", "duckdb"}, deps=["allocation_plan"])
+@dg.asset(group_name="deployment", kinds={"skypilot", "duckdb"}, deps=["allocation_plan", "plan_simulation"])
 def deployment_specs(config: ScenarioConfig, duckdb: CoralDuckDB, launcher: SkyPilotLauncher) -> dg.MaterializeResult:
     """SkyPilot tasks for the scenario's latest Coral plan, priced from its own market snapshot (written, or launched
-    when the launcher is not a dry run)."""
+    when the launcher is not a dry run). Not materialized when `plan_meets_demand` or `slo_attainment_meets_target`
+    (blocking checks upstream) fails."""
     from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import latest_plan
 
@@ -20,6 +21,7 @@ def deployment_specs(config: ScenarioConfig, duckdb: CoralDuckDB, launcher: SkyP
     commands = report.get("commands", [])
     return dg.MaterializeResult(metadata={
         "plan_id": plan.plan_id,
+        "plan_usd_per_hour": dg.MetadataValue.float(report["plan_usd_per_hour"]),
         "report": dg.MetadataValue.json({k: v for k, v in report.items() if k != "commands"}),
         "commands": dg.MetadataValue.md("```sh\n" + "\n".join(commands[:40]) + "\n```"),
     })

@@ -3,6 +3,7 @@
 import dagster as dg
 
 from assets.config import ScenarioConfig
+from assets.metadata import frame_table, row_count
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.catalog.store import append_snapshot
 from resources.market import MarketFeed
@@ -20,7 +21,8 @@ def market_snapshot(config: ScenarioConfig, duckdb: CoralDuckDB, market: MarketF
         "snapshot_id": snap.snapshot_id,
         "taken_at": snap.taken_at.isoformat(),
         "rows_appended": dg.MetadataValue.int(rows),
-        "offers": dg.MetadataValue.md(table.to_markdown(index=False)),
+        **row_count(len(table)),
+        "offers": frame_table(table),
     })
 
 
@@ -31,5 +33,7 @@ def snapshot_is_sane(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
     latest = duckdb.store().query(
         "SELECT * FROM market_snapshots WHERE taken_at = (SELECT max(taken_at) FROM market_snapshots)")
     problems = snapshot_problems(latest)
-    return dg.AssetCheckResult(passed=not problems, metadata={"problems": dg.MetadataValue.json(problems),
-                                                              "offers": dg.MetadataValue.int(len(latest))})
+    description = (f"the newest snapshot's {len(latest):,} offers are fresh, priced and name known GPUs."
+                   if not problems else f"the newest snapshot has {len(problems)} problem(s), first: {problems[0]}.")
+    return dg.AssetCheckResult(passed=not problems, description=description, metadata={
+        "problems": dg.MetadataValue.json(problems), "offers": dg.MetadataValue.int(len(latest))})

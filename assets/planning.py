@@ -1,8 +1,10 @@
 """Planning assets: demand from traces, the Coral allocation plan, and the baselines on the same inputs."""
 
 import dagster as dg
+import pandas as pd
 from pydantic import Field
 
+from assets.metadata import checked_plan_id, frame_table, row_count
 from coral_dagster.catalog.scenarios import load_scenario
 from resources.solver import SolverSettings
 from resources.store import CoralDuckDB
@@ -48,27 +50,39 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
     rnd = plan_round(store, load_scenario(config.scenario), "coral", scarcity=config.scarcity or None,
                      time_limit_s=solver.time_limit_s, run_id=context.run_id)
     plan = rnd.plan
+    table = plan_by_model_region(plan).round(2)
     history = store.query("SELECT * FROM plan_history WHERE scenario = ?", [plan.scenario])
     return dg.MaterializeResult(metadata={
         "plan_id": rnd.plan_id,
+        "status": plan.status,
         "cost_usd_per_hour": dg.MetadataValue.float(round(plan.cost_usd_per_hour, 3)),
-        "solver": dg.MetadataValue.json({"status": plan.status, "gap": plan.as_dict()["gap"],
-                                         "lp_bound_usd_per_hour": plan.as_dict()["lp_bound_usd_per_hour"],
-                                         "solve_s": round(plan.solve_s, 3), "demand_scale": plan.demand_scale}),
-        "plan": dg.MetadataValue.md(plan_by_model_region(plan).round(2).to_markdown(index=False)),
+        "churn_usd_per_hour": dg.MetadataValue.float(round(plan.churn_usd_per_hour, 3)),
+        "gap": dg.MetadataValue.float(round(float(plan.gap), 6)),
+        "mip_gap": dg.MetadataValue.float(round(float(plan.mip_gap), 6)),
+        "lp_bound_usd_per_hour": dg.MetadataValue.float(round(float(plan.lp_bound_usd_per_hour), 3)),
+        "solve_s": dg.MetadataValue.float(round(plan.solve_s, 3)),
+        "demand_scale": dg.MetadataValue.float(plan.demand_scale),
+        "plan": frame_table(table),
+        **row_count(len(table)),
         "cost_over_time": dg.MetadataValue.md(markdown_image(cost_over_time_png(history), "plan cost over time")),
     })
 
 
-@dg.asset_check(asset=allocation_plan, description="The newest plan meets demand within availability.")
-def plan_meets_demand(config: PlanConfig, duckdb: CoralDuckDB) -> dg.AssetCheckResult:
+@dg.asset_check(asset=allocation_plan, blocking=True,
+                description="The plan just made meets demand within availability; a failure stops deployment.")
+def plan_meets_demand(context: dg.AssetCheckExecutionContext, duckdb: CoralDuckDB) -> dg.AssetCheckResult:
     from coral_dagster.allocation.check import plan_violations
-    from coral_dagster.app.plans import latest_plan, plan_problem
+    from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.app.plans import plan_problem
 
     store = duckdb.store()
-    plan = latest_plan(store, config.scenario)
+    plan = load_plan(store, checked_plan_id(context, "allocation_plan"))
     problems = plan_violations(plan, plan_problem(store, plan), require_demand=plan.status == "optimal")
-    return dg.AssetCheckResult(passed=not problems, metadata={"violations": dg.MetadataValue.json(problems[:20])})
+    what = f"{plan.method} plan {plan.plan_id} of {plan.scenario}"
+    description = (f"{what} meets demand within availability." if not problems else
+                   f"{what} breaks {len(problems)} constraint(s), first: {problems[0]}.")
+    return dg.AssetCheckResult(passed=not problems, description=description, metadata={
+        "plan_id": plan.plan_id, "violations": dg.MetadataValue.json(problems[:20])})
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "pulp"}, deps=["allocation_plan"])
@@ -92,11 +106,14 @@ def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb
             context.log.warning("%s: %s", method, exc)
             failed[method] = str(exc)
     coral = plans["coral"].cost_usd_per_hour
-    table = "| method | $/h | × Coral | status |\n|---|---|---|---|\n" + "\n".join(
-        [f"| {m} | {p.cost_usd_per_hour:,.2f} | {p.cost_usd_per_hour / coral:.2f} | {p.status} |"
-         for m, p in plans.items()] + [f"| {m} | – | – | cannot meet demand |" for m in failed])
+    rows = [{"method": m, "plan_id": p.plan_id, "usd_per_hour": round(p.cost_usd_per_hour, 2),
+             "x_coral": round(p.cost_usd_per_hour / coral, 3), "status": p.status} for m, p in plans.items()]
+    rows += [{"method": m, "plan_id": "", "usd_per_hour": float("nan"), "x_coral": float("nan"),
+              "status": "cannot meet demand"} for m in failed]
     return dg.MaterializeResult(metadata={
-        "cost_vs_baselines": dg.MetadataValue.md(table),
+        "plan_id": plans["coral"].plan_id,
+        "cost_vs_baselines": frame_table(pd.DataFrame(rows)),
         "infeasible": dg.MetadataValue.json(failed),
+        **row_count(len(rows)),
         "cost_by_model": dg.MetadataValue.md(markdown_image(cost_by_model_png(plans), "cost per model")),
     })

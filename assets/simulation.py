@@ -3,6 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
+from assets.metadata import checked_plan_id, frame_table, row_count
 from resources.store import CoralDuckDB
 
 
@@ -27,23 +28,35 @@ def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.Materia
     plan_id = latest_plan(store, config.scenario).plan_id
     result, table = simulate_plan_id(store, plan_id, duration_s=config.duration_s, seed=config.seed,
                                      attainment_target=config.attainment_target)
+    by_model = table.drop(columns=["plan_id", "simulated_at"]).round(3)
     return dg.MaterializeResult(metadata={
         "plan_id": plan_id,
         "attainment": dg.MetadataValue.float(round(result.attainment, 4)),
         "goodput_tokens_per_s": dg.MetadataValue.float(round(result.goodput_tokens_per_s, 1)),
-        "by_model": dg.MetadataValue.md(table.round(3).to_markdown(index=False)),
+        "by_model": frame_table(by_model),
+        **row_count(len(by_model)),
         "latency_cdf": dg.MetadataValue.md(markdown_image(_cdf_png(result), "latency CDF")),
     })
 
 
-@dg.asset_check(asset=plan_simulation, description="Simulated SLO attainment of every model meets the target.")
-def slo_attainment_meets_target(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
-    latest = duckdb.store().query(
-        "SELECT * FROM simulations WHERE simulated_at = (SELECT max(simulated_at) FROM simulations)")
-    short = latest[latest["attainment"] < latest["attainment_target"]]
-    return dg.AssetCheckResult(passed=short.empty, metadata={
+@dg.asset_check(asset=plan_simulation, blocking=True,
+                description="Simulated SLO attainment of every model meets the target; a failure stops deployment.")
+def slo_attainment_meets_target(context: dg.AssetCheckExecutionContext, duckdb: CoralDuckDB) -> dg.AssetCheckResult:
+    from coral_dagster.app.simulation import plan_simulation as simulated
+
+    plan_id = checked_plan_id(context, "plan_simulation")
+    rows = simulated(duckdb.store(), plan_id)
+    short = rows[rows["attainment"] < rows["attainment_target"]]
+    if short.empty:
+        description = f"every model of plan {plan_id} meets its SLO attainment target in simulation."
+    else:
+        description = f"plan {plan_id} misses its SLO attainment target in simulation: " + "; ".join(
+            f"{r.model} served {r.attainment:.1%} of requests within SLO, below the {r.attainment_target:.0%} target"
+            for r in short.itertuples()) + "."
+    return dg.AssetCheckResult(passed=short.empty, description=description, metadata={
+        "plan_id": plan_id,
         "below_target": dg.MetadataValue.json(dict(zip(short["model"], short["attainment"].round(4)))),
-        "worst_attainment": dg.MetadataValue.float(float(latest["attainment"].min()))})
+        "worst_attainment": dg.MetadataValue.float(float(rows["attainment"].min()))})
 
 
 def _cdf_png(result) -> bytes:

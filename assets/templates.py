@@ -1,31 +1,47 @@
-"""Template assets: the library of optimal mixed-GPU placements, one partition per model."""
+"""Template assets: the library of optimal mixed-GPU placements, one partition per (scenario, model) it serves."""
 
 import dagster as dg
 
-from assets.config import ScenarioConfig
+from assets.metadata import row_count
 from coral_dagster.catalog.scenarios import load_scenario, scenario_names
+from coral_dagster.errors import CoralError
 from resources.store import CoralDuckDB
 
-MODELS = sorted({m.model for name in scenario_names() for m in load_scenario(name).models})
-model_partitions = dg.StaticPartitionsDefinition(MODELS)
+
+def partition_key(scenario: str, model: str) -> str:
+    """The `template_library` partition of one model of one scenario: `scenario/model`."""
+    return f"{scenario}/{model}"
 
 
-@dg.asset(group_name="templates", partitions_def=model_partitions, kinds={"duckdb", "python"}, deps=["profiles"])
-def template_library(context: dg.AssetExecutionContext, config: ScenarioConfig,
-                     duckdb: CoralDuckDB) -> dg.MaterializeResult:
-    """Every non-dominated template of one model in the scenario (prefill, decode, aggregated), in `templates`."""
+template_partitions = dg.StaticPartitionsDefinition(
+    [partition_key(name, m.model) for name in scenario_names() for m in load_scenario(name).models])
+
+
+def scenario_partitions(scenario: str) -> list[str]:
+    """The partitions of a bundled scenario, one per model; a clear error for a scenario without any."""
+    keys = [k for k in template_partitions.get_partition_keys() if k.split("/", 1)[0] == scenario]
+    if not keys:
+        raise CoralError(f"scenario {scenario!r} has no template_library partition (the partitions are the bundled "
+                         f"scenarios' models: {', '.join(scenario_names())}).",
+                         f"run a bundled scenario, or build its library with `coral templates build --scenario "
+                         f"{scenario}` and plan with `coral plan`.")
+    return keys
+
+
+@dg.asset(group_name="templates", partitions_def=template_partitions, kinds={"duckdb", "python"}, deps=["profiles"])
+def template_library(context: dg.AssetExecutionContext, duckdb: CoralDuckDB) -> dg.MaterializeResult:
+    """Every non-dominated template of one model in one scenario (prefill, decode, aggregated), in `templates`."""
     from coral_dagster.app.rounds import store_model_templates
     from coral_dagster.templates.library import build_library_with_stats
 
-    model, scenario = context.partition_key, load_scenario(config.scenario)
-    if model not in {m.model for m in scenario.models}:
-        context.log.info("%s is not in scenario %s; nothing to build", model, scenario.name)
-        return dg.MaterializeResult(metadata={"templates": dg.MetadataValue.int(0), "scenario": scenario.name})
+    name, model = context.partition_key.split("/", 1)
+    scenario = load_scenario(name)
     templates, stats = build_library_with_stats(scenario, models=[model])
     rows = store_model_templates(duckdb.store(), scenario, model, templates)
     return dg.MaterializeResult(metadata={
         "scenario": scenario.name,
         "templates": dg.MetadataValue.int(rows),
+        **row_count(rows),
         "build_s": dg.MetadataValue.float(round(stats.total_s, 2)),
         "per_phase": dg.MetadataValue.md(stats.as_frame().to_markdown(index=False)),
     })
@@ -36,5 +52,7 @@ def layer_splits_sum_to_layers(duckdb: CoralDuckDB) -> dg.AssetCheckResult:
     from coral_dagster.templates.checks import layer_split_problems
 
     problems, checked = layer_split_problems(duckdb.store())
-    return dg.AssetCheckResult(passed=not problems, metadata={"templates_checked": dg.MetadataValue.int(checked),
-                                                              "problems": dg.MetadataValue.json(problems[:20])})
+    description = (f"all {checked:,} stored templates split their model's layers exactly." if not problems else
+                   f"{len(problems)} of {checked:,} stored templates split layers wrongly, first: {problems[0]}.")
+    return dg.AssetCheckResult(passed=not problems, description=description, metadata={
+        "templates_checked": dg.MetadataValue.int(checked), "problems": dg.MetadataValue.json(problems[:20])})

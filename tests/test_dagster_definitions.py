@@ -5,7 +5,7 @@ from __future__ import annotations
 import dagster as dg
 
 from assets.automation import reallocation_sensor
-from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.catalog.scenarios import load_scenario, scenario_names
 from coral_dagster.catalog.store import append_snapshot
 from coral_dagster.definitions import defs
 from coral_dagster.app.rounds import store_demand
@@ -27,6 +27,24 @@ def test_definitions_load_with_every_group_check_job_schedule_and_sensor():
     assert [s.name for s in repo.sensor_defs] == ["reallocation_sensor"]
 
 
+def test_template_partitions_are_exactly_the_scenario_model_pairs():
+    """No partition without templates to build: the keys are the bundled scenarios' (scenario, model) pairs."""
+    from assets.templates import template_partitions
+
+    pairs = {(name, m.model) for name in scenario_names() for m in load_scenario(name).models}
+    keys = template_partitions.get_partition_keys()
+    assert len(keys) == len(pairs) and {tuple(k.split("/", 1)) for k in keys} == pairs
+
+
+def test_checks_that_gate_deployment_are_blocking_and_upstream_of_it():
+    graph = defs.get_repository_def().asset_graph
+    gating = {"plan_meets_demand": "allocation_plan", "slo_attainment_meets_target": "plan_simulation"}
+    for check, asset in gating.items():
+        spec = graph.get_check_spec(dg.AssetCheckKey(dg.AssetKey(asset), check))
+        assert spec.blocking, check
+        assert dg.AssetKey(asset) in graph.get(dg.AssetKey("deployment_specs")).parent_keys
+
+
 def _context(path, cursor=None):
     return dg.build_sensor_context(cursor=cursor, resources={"duckdb": CoralDuckDB(database=str(path)),
                                                              "solver": SolverSettings()})
@@ -44,6 +62,11 @@ def test_sensor_skips_until_inputs_exist_then_requests_one_run_per_new_input(tmp
     request = reallocation_sensor(ctx)
     assert isinstance(request, dg.RunRequest)
     assert request.run_key.startswith("replan:core-") and "no plan yet" in request.tags["coral/reasons"]
+    replan = defs.resolve_job_def("replan")
+    assert dg.validate_run_config(replan, request.run_config)
+    assets = {k.to_user_string() for k in replan.asset_layer.executable_asset_keys}
+    assert {op: cfg["config"]["scenario"] for op, cfg in request.run_config["ops"].items()} == dict.fromkeys(
+        assets, "core")
 
     again = reallocation_sensor(_context(path, cursor=ctx.cursor))
     assert isinstance(again, dg.SkipReason) and "already evaluated" in again.skip_message
@@ -67,3 +90,17 @@ def test_dagster_cli_validates_the_workspace(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "All code locations passed validation" in out.stdout + out.stderr
+
+
+def test_coral_run_records_into_the_project_dagster_home_by_default_which_git_ignores(monkeypatch):
+    import subprocess
+
+    from coral_dagster.definitions import dagster_home
+    from coral_dagster.paths import REPO_ROOT
+
+    monkeypatch.delenv("DAGSTER_HOME", raising=False)
+    assert dagster_home() == (REPO_ROOT / ".dagster").resolve()
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(dagster_home() / "dagster.yaml")], cwd=REPO_ROOT)
+    assert ignored.returncode == 0
+    monkeypatch.setenv("DAGSTER_HOME", str(REPO_ROOT / "elsewhere"))
+    assert dagster_home() == REPO_ROOT / "elsewhere"

@@ -58,16 +58,18 @@ class PriceBuild:
 
 
 class _Rejects:
-    """Collects left-out rows and logs each one."""
+    """Collects left-out rows and logs each one at INFO (shown by `coral -v`); counts those worth a WARNING."""
 
     def __init__(self) -> None:
         self.rows: list[dict] = []
+        self.notable = 0
 
     def add(self, path: Path, row: int, instance_type: str, region: str, reason: str, *,
             dropped: str = "row", level: int = logging.INFO) -> None:
         self.rows.append({"file": path.name, "row": row, "instance_type": instance_type, "region": region,
                           "reason": reason, "dropped": dropped})
-        log.log(level, "%s row %d (%s %s): %s", path.name, row, instance_type or "-", region, reason)
+        self.notable += level >= logging.WARNING
+        log.info("%s row %d (%s %s): %s", path.name, row, instance_type or "-", region, reason)
 
     def frame(self) -> pd.DataFrame:
         return pd.DataFrame(self.rows, columns=list(REJECTED_COLUMNS))
@@ -304,8 +306,10 @@ def build_node_prices(aws_csv: Path | None = None, gcp_csv: Path | None = None) 
     prices = _cheapest_per_node(zone_rows).sort_values(["region", "gpu", "gpus"]).reset_index(drop=True)
     prices = prices.astype({"gpus": int, "zones": int, "usd_per_hour": float, "spot_usd_per_hour": float})
     rejected = rejects.frame()
-    log.info("prices: %d (region, node) rows from %s and %s; %d rows or spot values left out",
-             len(prices), aws_path.name, gcp_path.name, len(rejected))
+    log.log(logging.WARNING if len(rejected) else logging.INFO,
+            "prices: %d (region, node) rows from %s and %s; %d rows or spot values left out (%d with a missing or "
+            "inconsistent price); `coral -v` lists each", len(prices), aws_path.name, gcp_path.name, len(rejected),
+            rejects.notable)
     return PriceBuild(prices=prices, rejected=rejected)
 
 

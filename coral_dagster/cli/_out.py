@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import os
 from typing import Any
 
@@ -39,8 +40,19 @@ def emit_table(df: pd.DataFrame, title: str = "") -> None:
     for col in df.columns:
         table.add_column(str(col), justify="right" if pd.api.types.is_numeric_dtype(df[col]) else "left")
     for row in df.itertuples(index=False):
-        table.add_row(*("" if pd.isna(v) else f"{v:,.4g}" if isinstance(v, float) else str(v) for v in row))
+        table.add_row(*(_cell(v) for v in row))
     Console(width=200).print(table)
+
+
+def _cell(value: Any) -> str:
+    """A cell people read: numbers with thousands separators (30,490), floats below 100 to four digits (55.27)."""
+    if isinstance(value, bool) or value is None:
+        return "" if value is None else str(value)
+    if isinstance(value, numbers.Integral):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return "" if pd.isna(value) else f"{value:,.0f}" if abs(value) >= 100 else f"{value:,.4g}"
+    return str(value)
 
 
 def emit(df: pd.DataFrame, as_json: bool, title: str = "") -> None:

@@ -1,0 +1,41 @@
+"""Dagster metadata from domain values: typed tables, and the plan id a check reads off the materialization it checks."""
+
+from __future__ import annotations
+
+import dagster as dg
+import pandas as pd
+
+from coral_dagster.errors import CoralError
+
+_COLUMN_TYPES = {"i": "int", "u": "int", "f": "float", "b": "bool"}
+
+
+def frame_table(df: pd.DataFrame) -> dg.TableMetadataValue:
+    """A DataFrame as `MetadataValue.table` with a `TableSchema` naming each column's type."""
+    schema = dg.TableSchema(columns=[dg.TableColumn(str(c), _COLUMN_TYPES.get(df[c].dtype.kind, "string"))
+                                     for c in df.columns])
+    records = [dg.TableRecord({str(c): _cell(v) for c, v in row.items()}) for row in df.to_dict(orient="records")]
+    return dg.MetadataValue.table(records, schema=schema)
+
+
+def _cell(value):
+    """A cell as the JSON scalar a `TableRecord` holds (None for a missing number)."""
+    value = value.item() if hasattr(value, "item") else value
+    if isinstance(value, float) and value != value:
+        return None
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def row_count(n: int) -> dict[str, dg.IntMetadataValue]:
+    """The `dagster/row_count` entry the UI shows beside an asset."""
+    return {"dagster/row_count": dg.MetadataValue.int(int(n))}
+
+
+def checked_plan_id(context: dg.AssetCheckExecutionContext, asset: str) -> str:
+    """The `plan_id` recorded by the newest materialization of `asset`: the plan the check is about."""
+    event = context.instance.get_latest_materialization_event(dg.AssetKey(asset))
+    entry = event.asset_materialization.metadata.get("plan_id") if event and event.asset_materialization else None
+    if entry is None:
+        raise CoralError(f"{asset} has no materialization recording a plan_id to check.",
+                         f"materialize {asset} (with its upstream assets) before running its checks.")
+    return str(entry.value)

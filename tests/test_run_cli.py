@@ -1,0 +1,119 @@
+"""`coral run` as a person reads it: one line for rejected price rows, the plan against the previous one and the
+baselines, failed checks as sentences and a non-zero exit, and every run recorded in the Dagster instance."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import dagster as dg
+import pytest
+from click.testing import CliRunner
+
+from coral_dagster.cli.main import main
+
+PRICES_LOGGER = "coral_dagster.catalog.prices"
+
+
+def test_rejected_price_rows_are_one_warning_and_each_row_at_info(caplog):
+    from coral_dagster.catalog.prices import build_node_prices
+
+    with caplog.at_level(logging.WARNING, logger=PRICES_LOGGER):
+        rejected = build_node_prices().rejected
+    warnings = [r for r in caplog.records if r.name == PRICES_LOGGER]
+    assert len(rejected) > 1 and len(warnings) == 1
+    assert f"{len(rejected)} rows or spot values left out" in warnings[0].getMessage()
+    assert "coral -v" in warnings[0].getMessage()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=PRICES_LOGGER):
+        build_node_prices()
+    rows = [r.getMessage() for r in caplog.records if r.name == PRICES_LOGGER and r.levelno == logging.INFO]
+    for row in rejected.itertuples():
+        assert any(m.startswith(f"{row.file} row {row.row} ") for m in rows), row
+
+
+@pytest.mark.parametrize("args, wording", [
+    (["--attainment-target", "1.5"], "1.5 is not in the range"),
+    (["--scenario", "no-such-scenario"], "no-such-scenario"),
+])
+def test_bad_input_is_one_clear_error_not_a_traceback(tmp_path, args, wording):
+    env = {"CORAL_DB": str(tmp_path / "c.duckdb"), "DAGSTER_HOME": str(tmp_path / "home")}
+    result = CliRunner(mix_stderr=False).invoke(main, ["run", *args], env=env)
+    assert result.exit_code == 2 and wording in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
+def _instances(store, plan_id: str) -> Counter:
+    rows = store.query("SELECT model, phase, region, nodes, count FROM plan_instances WHERE plan_id = ?", [plan_id])
+    return Counter({(r.model, r.phase, r.region, r.nodes): int(r.count) for r in rows.itertuples()})
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+    """`coral run` twice on one DuckDB file and Dagster home: a target every simulation meets, then 100%."""
+    from coral_dagster.store import Store
+
+    tmp = tmp_path_factory.mktemp("run")
+    env = {"CORAL_DB": str(tmp / "c.duckdb"), "DAGSTER_HOME": str(tmp / "home")}
+    runs = []
+    for target in ("0", "1"):
+        result = CliRunner(mix_stderr=False).invoke(
+            main, ["run", "--simulate-s", "30", "--attainment-target", target], env=env, catch_exceptions=False)
+        store = Store(tmp / "c.duckdb")
+        plan_id = store.query("SELECT plan_id FROM plans WHERE method = 'coral' ORDER BY created_at DESC LIMIT 1")
+        runs.append((result, str(plan_id["plan_id"].iloc[0]), float(target)))
+    return tmp, Store(tmp / "c.duckdb"), runs
+
+
+def _violations(store, plan_id: str) -> list[str]:
+    from coral_dagster.allocation.check import plan_violations
+    from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.app.plans import plan_problem
+
+    plan = load_plan(store, plan_id)
+    return plan_violations(plan, plan_problem(store, plan), require_demand=plan.status == "optimal")
+
+
+@pytest.mark.slow
+def test_run_exit_code_follows_the_checks_and_failed_ones_read_as_sentences(two_runs):
+    tmp, store, runs = two_runs
+    for result, plan_id, target in runs:
+        sim = store.query("SELECT model, attainment FROM simulations WHERE plan_id = ?", [plan_id])
+        short = sim[sim["attainment"] < target]
+        failing = bool(_violations(store, plan_id)) or not short.empty
+        assert result.exit_code == (1 if failing else 0), result.stdout + result.stderr
+        for row in short.itertuples():
+            assert f"{row.model} served {row.attainment:.1%} of requests within SLO" in result.stdout
+        assert ("Not materialized, stopped by a failed blocking check: deployment_specs." in result.stdout) == failing
+        assert "Metadata" not in result.stdout and "JsonMetadataValue" not in result.stdout
+    with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+        deployed = instance.get_latest_materialization_event(dg.AssetKey("deployment_specs"))
+        last_passing = [plan_id for result, plan_id, _ in runs if result.exit_code == 0][-1:]
+        assert (deployed.asset_materialization.metadata["plan_id"].value if deployed else None) in (
+            last_passing or [None])
+        templates = instance.get_materialized_partitions(dg.AssetKey("template_library"))
+    from assets.templates import scenario_partitions
+
+    assert templates == set(scenario_partitions("core"))
+
+
+@pytest.mark.slow
+def test_run_summary_names_the_plan_compares_it_and_shows_every_baseline(two_runs):
+    _, store, runs = two_runs
+    (first, first_id, _), (second, second_id, _) = runs
+    assert "This is the first coral plan of core" in first.stdout
+    assert f"Against the previous coral plan of core ({first_id})" in second.stdout
+    before, after = _instances(store, first_id), _instances(store, second_id)
+    launched, removed = sum((after - before).values()), sum((before - after).values())
+    moves = (f"launches {launched:,} instance(s) and removes {removed:,}" if launched or removed
+             else "keeps every instance")
+    assert moves in second.stdout
+    for result, plan_id, _ in runs:
+        assert result.stdout.count(f"core: coral plan {plan_id}") >= 3  # plan, cost by method, simulation headers
+        assert "e+0" not in result.stdout and "e-0" not in result.stdout
+        stored = store.query("SELECT method, plan_id FROM plans WHERE run_id = ("
+                             "SELECT run_id FROM plans WHERE plan_id = ?)", [plan_id])
+        for method in ("homo", "homo-ilp", "cauchy"):
+            ids = stored.loc[stored["method"] == method, "plan_id"]
+            assert (ids.iloc[0] in result.stdout) if len(ids) else (f"{method} cannot meet demand" in result.stdout)
