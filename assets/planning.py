@@ -25,6 +25,10 @@ class PlanConfig(dg.Config):
 
     scenario: str = Field(default="core", description="Bundled scenario.")
     scarcity: str = Field(default="", description="'' (fail when demand cannot be met), 'scale' or 'fair'.")
+    closed_loop: bool = Field(default=True, description="Simulate the plan on each model's own trace and re-plan "
+                              "with more capacity for models below their attainment target (Coral plan only).")
+    loop_rounds: int = Field(default=3, description="Most plans the closed loop makes.")
+    loop_simulate_s: float = Field(default=300.0, description="Seconds of traffic each closed-loop round simulates.")
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "python"}, deps=["catalogs"])
@@ -48,7 +52,8 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
 
     store = duckdb.store()
     rnd = plan_round(store, load_scenario(config.scenario), "coral", scarcity=config.scarcity or None,
-                     time_limit_s=solver.time_limit_s, run_id=context.run_id)
+                     time_limit_s=solver.time_limit_s, run_id=context.run_id, closed_loop=config.closed_loop,
+                     loop_rounds=config.loop_rounds, loop_simulate_s=config.loop_simulate_s)
     plan = rnd.plan
     table = plan_by_model_region(plan).round(2)
     history = store.query("SELECT * FROM plan_history WHERE scenario = ?", [plan.scenario])

@@ -18,12 +18,15 @@ from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_opt
               help="Seconds of traffic to simulate.")
 @click.option("--attainment-target", "attainment_target", type=FiniteFloat(0.0, 1.0), default=0.95,
               show_default=True, help="SLO attainment every model must reach in simulation before deployment.")
+@click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
+              help="Simulate the Coral plan on each model's own trace and re-plan with more capacity for models "
+                   "below target (at most 3 plans).")
 @prices_option
 @db_option
 @json_option
 @click.pass_context
-def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, db_path: str | None,
-        as_json: bool) -> None:
+def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, closed_loop: bool,
+        db_path: str | None, as_json: bool) -> None:
     """Run the pipeline end to end on the bundled data and print a summary.
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
@@ -40,6 +43,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
 
     verbose = bool(ctx.find_root().params.get("verbose"))
     result = materialize_pipeline(scenario, simulate_s=simulate_s, attainment_target=attainment_target,
+                                  closed_loop=closed_loop,
                                   log_level="INFO" if verbose else "CRITICAL",
                                   on_step=lambda step: click.echo(f"materialize: {step}", err=True))
     store = Store()
