@@ -106,7 +106,7 @@ def test_closed_loop_is_bounded_and_never_worse_than_its_start(start, gain, roun
     def make(boost):
         return replace(base, cost_usd_per_hour=sum(boost.get(m, 1.0) for m in models))
 
-    def measure(plan, scenario, rates, simulate_s, seed):
+    def measure(plan, scenario, rates, simulate_s, seeds):
         return {m: min(1.0, start[i] + gain[i] * (plan.cost_usd_per_hour - len(models))) for i, m in
                 enumerate(models)}
 

@@ -34,7 +34,7 @@ def test_rejected_price_rows_are_one_warning_and_each_row_at_info(caplog):
 
 
 @pytest.mark.parametrize("args, wording", [
-    (["--attainment-target", "1.5"], "1.5 is not in the range"),
+    (["--attainment-target", "1.5"], "'1.5' is outside [0, 1]"),
     (["--scenario", "no-such-scenario"], "no-such-scenario"),
 ])
 def test_bad_input_is_one_clear_error_not_a_traceback(tmp_path, args, wording):

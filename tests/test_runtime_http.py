@@ -11,6 +11,7 @@ from contextlib import ExitStack
 
 import pytest
 import zmq
+from hypothesis import strategies as st
 
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
 from coral_dagster.runtime.coordinator import Coordinator
@@ -194,3 +195,38 @@ def test_rate_limited_errors_become_429_with_retry_after():
     assert err.body()["error"]["type"] == "rate_limit_error"
     assert error_event({"kind": "error", "status": 404, "problem": "p", "fix": "f"}).status == 404
     assert error_event({"kind": "error", "status": True, "problem": "p", "fix": "f"}).status == 500
+
+
+_JSON = st.recursive(st.none() | st.booleans() | st.integers(-10**30, 10**30) | st.floats(allow_nan=False) |
+                     st.text(max_size=20), lambda kids: st.lists(kids, max_size=4) |
+                     st.dictionaries(st.text(max_size=10), kids, max_size=4), max_leaves=12)
+_FIELDS = st.fixed_dictionaries({}, optional={"model": _JSON | st.just("m"), "prompt": _JSON,
+                                              "max_tokens": _JSON, "stream": _JSON, "temperature": _JSON,
+                                              "ignore_eos": _JSON})
+
+
+def test_generated_bodies_get_a_json_answer_and_never_take_the_door_down(door):
+    """Hypothesis throws completion bodies of every shape at the running front door (with an instance serving):
+    each gets a JSON answer — 200 for a valid request, else an OpenAI-style 4xx error — never a 500, a reset or a
+    NaN; and the door still serves a valid request afterwards."""
+    from hypothesis import HealthCheck, given, settings
+
+    port, _, start = door
+    start()
+    for _ in range(100):
+        if request(port, "GET", "/health")[0] == 200:
+            break
+        time.sleep(0.1)
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(_FIELDS | _JSON)
+    def check(body):
+        status, _, doc = request(port, "POST", "/v1/completions", body)
+        assert status == 200 or 400 <= status < 500, (status, doc)
+        if status != 200:
+            assert set(doc["error"]) >= {"message", "type"}, doc
+        assert "NaN" not in json.dumps(doc)
+
+    check()
+    status, _, doc = request(port, "POST", "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2})
+    assert status == 200, doc

@@ -39,17 +39,14 @@ and C2 (no churn: serving more comes first)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Literal, Mapping, Sequence
 
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
+from coral_dagster.highs import pulp_solver, quiet_stdout, silence_banner, solve_status
 
 RawStatus = Literal["optimal", "feasible-time-limit", "infeasible", "no-solution"]
 
@@ -75,36 +72,8 @@ class SolveResult:
 def _pulp():
     import pulp  # lazy: only planning needs the solver
 
-    _silence_highs_banner()
+    silence_banner()
     return pulp
-
-
-@contextlib.contextmanager
-def quiet_stdout():
-    """File descriptor 1 sent to /dev/null: HiGHS's C++ code prints to it (its banner, and notes such as
-    `HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();` even with output off), which would
-    corrupt `--json` output."""
-    sys.stdout.flush()
-    saved, devnull = os.dup(1), os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
-
-
-@functools.lru_cache(maxsize=1)
-def _silence_highs_banner() -> None:
-    """HiGHS prints a banner to stdout on its first instance per process."""
-    try:
-        import highspy
-    except ImportError:
-        return
-    with quiet_stdout():
-        highspy.Highs()
 
 
 def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False):
@@ -115,13 +84,8 @@ def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_ju
     too: on core's coupled ILPs (~300 columns, solved at the root) it took a third to a half of the solve (0.10 vs
     0.16 s, 0.12 vs 0.25 s, 0.14 vs 0.25 s). Both are heuristics: optima unchanged.
     """
-    pulp = _pulp()
-    highs = pulp.HiGHS(msg=False, mip=mip, timeLimit=time_limit_s, gapRel=gap_rel,
-                       mip_heuristic_run_feasibility_jump=feasibility_jump,
+    return pulp_solver(time_limit_s, gap_rel, mip, mip_heuristic_run_feasibility_jump=feasibility_jump,
                        mip_heuristic_run_root_reduced_cost=False)
-    if highs.available():
-        return highs
-    return pulp.PULP_CBC_CMD(msg=False, mip=mip, timeLimit=max(1, int(math.ceil(time_limit_s))), gapRel=gap_rel)
 
 
 def churn_factor(problem: AllocationProblem) -> float:
@@ -220,31 +184,7 @@ def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
     slv = solver(time_limit_s, gap_rel, mip)
     prob.solve(slv)
     solve_s = time.perf_counter() - start
-    model = getattr(prob, "solverModel", None)
-    if model is not None and hasattr(model, "getModelStatus"):
-        import highspy
-
-        st = model.getModelStatus()
-        info = model.getInfo()
-        has_solution = info.primal_solution_status == 2
-        if st == highspy.HighsModelStatus.kOptimal:
-            status: RawStatus = "optimal"
-        elif st in (highspy.HighsModelStatus.kInfeasible, highspy.HighsModelStatus.kUnboundedOrInfeasible):
-            status = "infeasible"
-        elif has_solution:
-            status = "feasible-time-limit"
-        else:
-            status = "no-solution"
-        if mip and status != "infeasible" and any(v.cat == pulp.LpInteger for v in columns_vars):
-            bound = info.mip_dual_bound
-        else:
-            bound = info.objective_function_value
-        if prob.sense == pulp.LpMaximize:  # PuLP hands HiGHS the negated objective of a maximisation
-            bound = -bound
-    else:
-        code = prob.status
-        status = {1: "optimal", -1: "infeasible"}.get(code, "no-solution")
-        bound = pulp.value(prob.objective) if status == "optimal" else math.nan
+    status, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
     if status in ("infeasible", "no-solution"):
         return SolveResult(status, (), math.nan, math.nan, solve_s)
     integer = mip and any(v.cat == pulp.LpInteger for v in columns_vars)

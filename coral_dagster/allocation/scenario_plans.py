@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_templates
 from coral_dagster.allocation.planner import with_admission
@@ -37,7 +37,8 @@ def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
                   demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
                   time_limit_s: float = 30.0, db_path: str | None = None,
-                  templates: Sequence[Template] | None = None, market=None, burst_aware: bool = True) -> Plan:
+                  templates: Sequence[Template] | None = None, market=None, burst_aware: bool = True,
+                  boost: Mapping[str, float] | None = None) -> Plan:
     """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
     it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
     replaces the scenario's bundled snapshot scaled by `availability_scale`."""
@@ -50,6 +51,7 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
     if templates is None:
         templates = library_templates(scn, db_path)
     problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
-                               running=running.counts() if running else None, burst_aware=burst_aware)
+                               running=running.counts() if running else None, burst_aware=burst_aware,
+                               boost=boost)
     return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
                           scenario_rates(scn, demand_mix))

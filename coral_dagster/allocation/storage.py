@@ -16,9 +16,9 @@ from typing import Any, Mapping
 import pandas as pd
 
 from coral_dagster.allocation.types import Bottleneck, PlannedInstance, Plan
-from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.errors import CoralError
-from coral_dagster.templates.types import Stage, Template
+from coral_dagster.templates.types import Template, stages_doc, stages_from_doc
 
 PLAN_COLUMNS = {
     "plan_id": "object", "run_id": "object", "created_at": "datetime64[us, UTC]", "scenario": "object",
@@ -34,11 +34,6 @@ INSTANCE_COLUMNS = {
 }
 
 ROUTE_COLUMNS = {"plan_id": "object", "model": "object", "region": "object", "share": "float64"}
-
-
-def _stages_json(t: Template) -> str:
-    return json.dumps([{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares)}
-                       for s in t.stages])
 
 
 def _key(k: tuple[str, str]) -> str:
@@ -74,7 +69,7 @@ def plan_frames(plan: Plan, plan_id: str, run_id: str, inputs: Mapping[str, Any]
              "phase": i.template.phase, "region": i.region, "nodes": str(i.template.nodes), "count": i.count,
              "tokens_per_s": i.template.tokens_per_s, "usd_per_hour": i.usd_per_hour, "slo_ms": i.template.slo_ms,
              "bound": i.template.bound, "pp_partition": i.template.pp_partition,
-             "stages_json": _stages_json(i.template)} for i in plan.instances]
+             "stages_json": json.dumps(stages_doc(i.template.stages))} for i in plan.instances]
     instances = pd.DataFrame(rows, columns=list(INSTANCE_COLUMNS)).astype(INSTANCE_COLUMNS)
     return plans, instances
 
@@ -121,8 +116,7 @@ def load_plan(store, plan_id: str) -> Plan:
                        [row["plan_id"]])
     instances = []
     for r in inst.itertuples(index=False):
-        stages = tuple(Stage(s["start"], s["end"], tuple(NodeConfig.parse(n) for n in s["nodes"]),
-                             tuple(s["shares"])) for s in json.loads(r.stages_json))
+        stages = stages_from_doc(json.loads(r.stages_json))
         template = Template(r.model, r.phase, float(r.slo_ms), NodeMultiset.parse(r.nodes), stages,
                             float(r.tokens_per_s), r.bound)
         instances.append(PlannedInstance(template, r.region, int(r.count), float(r.usd_per_hour)))

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from coral_dagster.templates.types import Template
+from coral_dagster.templates.types import Template, stages_doc
 
 # "heuristic": a greedy baseline's plan (no optimality claim).
 SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic"]
@@ -153,8 +153,7 @@ class Plan:
                  "usd_per_hour": i.usd_per_hour * i.count, "template_tokens_per_s": i.template.tokens_per_s,
                  "instance_usd_per_hour": i.usd_per_hour, "template_id": i.template.template_id,
                  "slo_ms": i.template.slo_ms, "bound": i.template.bound, "pp_partition": i.template.pp_partition,
-                 "stages": [{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes],
-                             "shares": list(s.shares)} for s in i.template.stages]}
+                 "stages": stages_doc(i.template.stages)}
                 for i in self.instances],
             "served": {f"{m}/{p}": {"demand_tokens_per_s": d, "served_tokens_per_s":
                                     self.served_tokens_per_s.get((m, p), 0.0)}

@@ -28,7 +28,7 @@ from coral_dagster.templates.best import make_template, verify_template
 from coral_dagster.templates.optimize import Placement
 from coral_dagster.templates.sweep import sweep
 from coral_dagster.templates.throughput import ThroughputTables, build_tables, workload_for
-from coral_dagster.templates.types import PHASES, Phase, Stage, Template
+from coral_dagster.templates.types import PHASES, Phase, Template, stages_doc, stages_from_doc
 
 DOMINANCE_REL_TOL = 1e-9
 TEMPLATES_TABLE = "templates"
@@ -206,11 +206,6 @@ def check_library(templates: Iterable[Template], tables: dict[tuple[str, str], T
     return problems
 
 
-def _stages_json(t: Template) -> str:
-    return json.dumps([{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares)}
-                       for s in t.stages])
-
-
 def templates_to_frame(templates: Iterable[Template], scenario) -> pd.DataFrame:
     """One row per template (`FRAME_COLUMNS`) of a scenario (a `Scenario` or a bundled name), keyed by its
     `library_key`; `counts_json` maps configuration to node count."""
@@ -219,7 +214,7 @@ def templates_to_frame(templates: Iterable[Template], scenario) -> pd.DataFrame:
         "template_id": t.template_id, "scenario": scn.name, "library_key": scn.library_key, "model": t.model,
         "phase": t.phase, "slo_ms": float(t.slo_ms), "nodes": str(t.nodes), "n_nodes": t.nodes.size,
         "n_stages": len(t.stages), "tokens_per_s": float(t.tokens_per_s), "bound": t.bound,
-        "pp_partition": t.pp_partition, "stages_json": _stages_json(t),
+        "pp_partition": t.pp_partition, "stages_json": json.dumps(stages_doc(t.stages)),
         "counts_json": json.dumps({str(n): k for n, k in t.nodes.counts}),
     } for t in templates]
     return pd.DataFrame(rows, columns=FRAME_COLUMNS).astype(
@@ -239,11 +234,8 @@ def templates_from_frame(df: pd.DataFrame) -> list[Template]:
     # Parsed names are memoized: a large library repeats a few dozen configurations in every row.
     for model, phase, slo_ms, nodes, tokens_per_s, bound, stages_json in zip(
             df["model"], df["phase"], df["slo_ms"], df["nodes"], df["tokens_per_s"], df["bound"], df["stages_json"]):
-        stages = []
-        for st in json.loads(stages_json):
-            members = tuple(node_of[n] if n in node_of else node_of.setdefault(n, NodeConfig.parse(n))
-                            for n in st["nodes"])
-            stages.append(Stage(int(st["start"]), int(st["end"]), members, tuple(float(x) for x in st["shares"])))
+        stages = stages_from_doc(json.loads(stages_json),
+                                 lambda n: node_of[n] if n in node_of else node_of.setdefault(n, NodeConfig.parse(n)))
         ms = NodeMultiset.of([n for st in stages for n in st.nodes])
         if str(ms) != nodes:
             raise CoralError(f"template row lists nodes {nodes} but its stages hold {ms}.",

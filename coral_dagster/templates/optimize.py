@@ -19,10 +19,7 @@ an exact max-min DP over layer counts per partition, so the method is exact for 
 from __future__ import annotations
 
 import itertools
-import os
-import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Mapping
@@ -30,6 +27,7 @@ from typing import Mapping
 import numpy as np
 
 from coral_dagster.errors import CoralError, SolverTimeoutError
+from coral_dagster.highs import pulp_solver, quiet_stdout, solve_status
 
 Tables = Mapping[int, np.ndarray]
 
@@ -256,10 +254,10 @@ def _solve_ilp_s(nodes: list[int], tab: np.ndarray, n_layers: int, s: int, time_
     # C5 the bottleneck: T ≤ Σ_j Σ_k z[s,j,k]·T̂_j(g_k) (S rows)
     for a in stages:
         prob += t <= pulp.lpSum(float(tab[nodes[k], j - 1]) * z[a, j, k] for j in js for k in ks if (a, j, k) in z), f"C5_{a}"
-    solver = _solver(time_limit_s)
-    with _stdout_to_stderr():
-        status = prob.solve(solver)
-    optimal = pulp.LpStatus[status] == "Optimal"
+    solver = pulp_solver(time_limit_s, 0.0, gapAbs=0.0)
+    with quiet_stdout():
+        prob.solve(solver)
+    optimal = solve_status(prob, integer=True)[0] == "optimal"
     chosen = [[j for j in js if (x[a, j].varValue or 0) > 0.5] for a in stages]
     if any(len(c) != 1 for c in chosen):  # no incumbent (e.g. the time limit came first)
         return None, optimal, prob.numVariables(), prob.numConstraints()
@@ -272,29 +270,6 @@ def _solve_ilp_s(nodes: list[int], tab: np.ndarray, n_layers: int, s: int, time_
     value = min(float(np.dot(g, tab[:, j - 1])) for g, j in zip(groups, layers))
     placement = Placement(s, tuple(tuple(g) for g in groups), layers, value, optimal)
     return placement, optimal, prob.numVariables(), prob.numConstraints()
-
-
-@contextmanager
-def _stdout_to_stderr():
-    """HiGHS prints its banner from C++ straight to file descriptor 1; keep it off stdout (JSON goes there)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-
-
-def _solver(time_limit_s: float):
-    import pulp
-
-    if pulp.HiGHS(msg=False).available():
-        # No `threads` option: HiGHS keeps one global scheduler per process, and asking another thread count
-        # than the first solve of the process used (the allocation ILP's default) makes every later solve fail.
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=0.0, gapAbs=0.0)
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=0.0)
 
 
 def best_placement_ilp(

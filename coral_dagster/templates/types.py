@@ -51,3 +51,16 @@ class Template:
     def node_count(self, node: NodeConfig) -> int:
         """How many nodes of configuration `node` this template uses (`U_c(τ)`)."""
         return self.nodes.as_dict().get(node, 0)
+
+
+def stages_doc(stages: tuple[Stage, ...]) -> list[dict]:
+    """A template's stages as JSON-ready dicts (start, end, nodes, shares): the one form they are stored in (the
+    library, plan instances) and printed in (`coral plan --json`)."""
+    return [{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares)}
+            for s in stages]
+
+
+def stages_from_doc(doc: list[dict], parse=NodeConfig.parse) -> tuple[Stage, ...]:
+    """Stages back from `stages_doc` (`parse` turns a node name into its configuration, e.g. memoized)."""
+    return tuple(Stage(int(s["start"]), int(s["end"]), tuple(parse(n) for n in s["nodes"]),
+                       tuple(float(x) for x in s["shares"])) for s in doc)
