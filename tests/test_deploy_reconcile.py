@@ -16,7 +16,8 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.cli import launch as launch_cli
 from coral_dagster.deploy import state
-from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult, RecordingDrainer, RecordingLauncher
+from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult
+from deploy_fakes import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
 from coral_dagster.deploy.tasks import role_template
 from coral_dagster.errors import CoralError

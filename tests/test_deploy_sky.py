@@ -27,10 +27,10 @@ from coral_dagster import paths
 from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
-from coral_dagster.deploy.launcher import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
+from deploy_fakes import RecordingDrainer, RecordingLauncher
 
 PRICES = load_node_prices()
 SENTINEL = {"HF_TOKEN": "hf_SENTINEL_51d0", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_9a7e",

@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.cli.down import down as down_cli
 from coral_dagster.deploy import state
-from coral_dagster.deploy.launcher import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.reconcile import reconcile, teardown
 from coral_dagster.deploy.spec import VLLM_MASTER_PORT
 from coral_dagster.store import Store
+from deploy_fakes import RecordingDrainer, RecordingLauncher
 from tests.test_deploy_reconcile import PHI, plan, template
 
 PRICES = load_node_prices()

@@ -16,7 +16,7 @@ from typing import Literal, Mapping
 
 import numpy as np
 
-from coral_dagster.catalog.traces import load_trace
+from coral_dagster.catalog.traces import load_trace, trace_means
 from coral_dagster.errors import CoralError, UnknownNameError
 
 DemandMix = Literal["uniform", "large-heavy", "small-heavy"]
@@ -42,8 +42,7 @@ class TraceStats:
 def trace_stats(name: str) -> TraceStats:
     """Mean prompt and output tokens, request count and span of a bundled trace."""
     frame = load_trace(name)
-    return TraceStats(name, float(frame["prompt_tokens"].mean()), float(frame["output_tokens"].mean()),
-                      len(frame), float(frame["arrival_s"].max()))
+    return TraceStats(name, *trace_means(name), len(frame), float(frame["arrival_s"].max()))
 
 
 def phase_demand(rate_req_s: float, stats: TraceStats, headroom: float) -> dict[str, float]:
