@@ -56,7 +56,7 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
                      loop_rounds=config.loop_rounds, loop_simulate_s=config.loop_simulate_s)
     plan = rnd.plan
     table = plan_by_model_region(plan).round(2)
-    history = store.query("SELECT * FROM plan_history WHERE scenario = ?", [plan.scenario])
+    history = store.query("SELECT * FROM plan_history WHERE scenario_key = ?", [plan.scenario_key])
     return dg.MaterializeResult(metadata={
         "plan_id": rnd.plan_id,
         "status": plan.status,
@@ -101,7 +101,7 @@ def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb
     from coral_dagster.errors import InfeasibleError
 
     store, scenario = duckdb.store(), load_scenario(config.scenario)
-    plans = {"coral": latest_plan(store, scenario.name)}
+    plans = {"coral": latest_plan(store, scenario)}
     failed = {}
     for method in BASELINES:
         try:

@@ -58,7 +58,7 @@ def bench_plan(scenario, source: str):
     if source == "latest":
         from coral_dagster.app.plans import latest_plan
 
-        return latest_plan(Store(), scenario.name), "stored latest plan"
+        return latest_plan(Store(), scenario), "stored latest plan"
     templates: list[Template] | tuple[Template, ...] = ()
     if source in ("auto", "library"):
         from coral_dagster.allocation.scenario_plans import library_templates

@@ -63,12 +63,12 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     from coral_dagster.templates.library import load_library
 
     scenario = load_scenario(scenario_name)
-    snap = latest_snapshot(store, scenario.name)
+    snap = latest_snapshot(store, scenario)
     demand_id, rates = latest_demand(store, scenario)
     key = f"{snap.snapshot_id}|{demand_id}"
     demand = demand_tokens(rates, scenario_traces(scenario), capacity_factors(scenario, rates))
     available = {(o.region, str(o.node)): o.available_nodes for o in snap.offers}
-    plan = find_plan(store, scenario.name)
+    plan = find_plan(store, scenario)
     if plan is None:
         return key, decide_replan(None, demand, available)
     cost_now = sum(i.count * sum(k * snap.price(i.region, n) for n, k in i.template.nodes.counts)

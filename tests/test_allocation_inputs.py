@@ -93,16 +93,17 @@ def test_plans_round_trip_through_duckdb(tmp_path):
     from coral_dagster.store import Store
 
     store = Store(tmp_path / "plans.duckdb")
-    problem = random_problem(3, avail_range=(2, 8))
+    core = load_scenario("core")
+    problem = replace(random_problem(3, avail_range=(2, 8)), scenario_key=core.scenario_key)
     plan = solve_plan(problem)
     first = store_plan(store, plan, "run-a", {"scenario": "random"})
     second = store_plan(store, plan, "run-b", {"scenario": "random"})
     assert first.plan_id != second.plan_id and first.plan_id and second.plan_id
     assert load_plan(store, first.plan_id) == first
-    assert latest_plan(store, plan.scenario, plan.method) == second
+    assert latest_plan(store, core, plan.method) == second
     assert replace(load_plan(store, first.plan_id), plan_id="") == plan
     with pytest.raises(CoralError, match="no homo plan"):
-        latest_plan(store, plan.scenario, "homo")
+        latest_plan(store, core, "homo")
     rows = store.query("SELECT plan_id, count(*) AS n, sum(count * usd_per_hour) AS cost FROM plan_instances "
                        "GROUP BY plan_id ORDER BY plan_id")
     assert list(rows["n"]) == [len(plan.instances)] * 2

@@ -74,5 +74,5 @@ def test_snapshot_round_trips_through_duckdb(tmp_path):
     snap = load_scenario("core").market(availability_scale=0.5)
     assert append_snapshot(store, snap) == len(snap.offers)
     assert append_snapshot(store, snap) == 0  # the same snapshot is never appended twice
-    back = latest_snapshot(store, "core")
+    back = latest_snapshot(store, load_scenario("core"))
     assert back == snap

@@ -408,9 +408,10 @@ def _store_on_snapshot(store, p: Plan, price_scale: float = 1.0) -> str:
 
     snap = load_scenario("core").market()
     snap = MarketSnapshot(f"{snap.snapshot_id}-p{price_scale:g}", snap.taken_at, tuple(
-        replace(o, usd_per_hour=o.usd_per_hour * price_scale) for o in snap.offers))
+        replace(o, usd_per_hour=o.usd_per_hour * price_scale) for o in snap.offers), snap.scenario_key)
     append_snapshot(store, snap)
-    return store_plan(store, replace(p, snapshot_id=snap.snapshot_id), "run-1", {}).plan_id
+    return store_plan(store, replace(p, snapshot_id=snap.snapshot_id, scenario_key=snap.scenario_key),
+                      "run-1", {}).plan_id
 
 
 def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):

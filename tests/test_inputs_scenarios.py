@@ -153,3 +153,43 @@ def test_scenario_help_says_files_are_accepted():
                  ["templates", "best"]):
         res = CliRunner().invoke(main, [*args, "--help"])
         assert res.exit_code == 0 and ".yml" in res.output, args
+
+
+def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
+    """Two files both named `core` (the bundled name) that differ only in one model's rate share a library (rates
+    are not template settings) but never a plan, a demand or a market snapshot; each plan's scenario is its file."""
+    from coral_dagster.app.plans import find_plan, latest_plan, scenario_of
+    from coral_dagster.app.rounds import latest_demand, store_demand
+    from coral_dagster.catalog.store import append_snapshot, latest_snapshot
+
+    db = tmp_path / "c.duckdb"
+    one = _write(tmp_path, small(name="core"), "one.yaml")
+    two = _write(tmp_path, with_field(small(name="core"), "models.0.rate_req_s", 0.5), "two.yml")
+    a, b = load_scenario(one), load_scenario(two)
+    assert a.library_key == b.library_key and a.scenario_key != b.scenario_key != load_scenario("core").scenario_key
+    run = lambda *args: CliRunner().invoke(main, [*args, "--db", str(db), "--json"])  # noqa: E731
+    assert run("templates", "build", "--scenario", str(one), "--processes", "1").exit_code == 0
+    plans = {}
+    for path in (one, two):
+        res = run("plan", "--scenario", str(path))
+        assert res.exit_code == 0, res.output
+        plans[path] = json.loads(res.output)
+    store = Store(db)
+    pa, pb = latest_plan(store, a), latest_plan(store, b)
+    assert (pa.plan_id, pb.plan_id) == (plans[one]["plan_id"], plans[two]["plan_id"])
+    assert find_plan(store, "core") is None  # the bundled core has no plan here
+    # Each plan was sized from its own file: demand over its capacity factor is rate × the trace's mean tokens.
+    key = ("phi-4", "decode")
+    per_rate = [p.demand_tokens_per_s[key] / p.capacity_factors[key] / rate for p, rate in ((pa, 1.0), (pb, 0.5))]
+    assert per_rate[0] == pytest.approx(per_rate[1])
+    assert scenario_of(store, pa).path == str(one.resolve()) and scenario_of(store, pb).path == str(two.resolve())
+    # Snapshots of either file are found by its own key only.
+    for scn, rate in ((a, 1.0), (b, 5.0)):
+        append_snapshot(store, scn.market(availability_scale=rate))
+        store_demand(store, scn, {"phi-4": rate}, "uniform")
+    assert [latest_snapshot(store, s).snapshot_id[-3:] for s in (a, b)] == ["-x1", "-x5"]
+    assert latest_demand(store, a)[1] == {"phi-4": 1.0} and latest_demand(store, b)[1] == {"phi-4": 5.0}
+    # A file edited after planning no longer answers for the plan: a sentence, not a silent other scenario.
+    one.write_text(yaml.safe_dump(with_field(small(name="core"), "models.0.rate_req_s", 0.25)))
+    with pytest.raises(CoralError, match="other settings"):
+        scenario_of(store, pa)

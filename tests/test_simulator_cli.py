@@ -9,6 +9,7 @@ from click.testing import CliRunner
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.cli.simulate import cli
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
@@ -26,7 +27,8 @@ def small_plan() -> Plan:
     instances = (PlannedInstance(pre, "aws:us-east-2", 1, 2.0), PlannedInstance(dec, "aws:us-east-2", 2, 1.0))
     return Plan("core", "coral", "optimal", 4.0, 4.0, 0.0, 0.1, instances,
                 {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0},
-                {("phi-4", "prefill"): 9000.0, ("phi-4", "decode"): 1400.0})
+                {("phi-4", "prefill"): 9000.0, ("phi-4", "decode"): 1400.0},
+                scenario_key=load_scenario("core").scenario_key)
 
 
 def _run(args):

@@ -87,6 +87,7 @@ def scenario_problem(scenario: Scenario, templates: Sequence[Template], market: 
         churn_k=scenario.node_startup_min / scenario.replan_interval_min,
         prompt_per_output={m: trace_stats(t).prompt_per_output for m, t in traces.items()},
         snapshot_id=market.snapshot_id,
+        scenario_key=scenario.scenario_key,
     )
 
 

@@ -50,6 +50,7 @@ def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, 
                 served_tokens_per_s=served_tokens(problem, instances), demand_scale=demand_scale,
                 notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=mip_bound,
                 bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
+                scenario_key=problem.scenario_key,
                 timings_s=dict(timings or {}), capacity_factors=dict(problem.capacity_factors))
 
 

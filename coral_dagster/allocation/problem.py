@@ -36,6 +36,7 @@ class AllocationProblem:
     prompt_per_output: Mapping[str, float] = field(default_factory=dict)
     snapshot_id: str = ""
     capacity_factors: Mapping[DemandKey, float] = field(default_factory=dict)
+    scenario_key: str = ""
 
     def __post_init__(self) -> None:
         for key, value in self.demand_tokens_per_s.items():

@@ -25,7 +25,7 @@ PLAN_COLUMNS = {
     "method": "object", "status": "object", "cost_usd_per_hour": "float64", "lp_bound_usd_per_hour": "float64",
     "gap": "float64", "solve_s": "float64", "demand_scale": "float64", "snapshot_id": "object",
     "inputs_json": "object", "churn_usd_per_hour": "float64", "mip_bound_usd_per_hour": "float64",
-    "detail_json": "object",
+    "detail_json": "object", "scenario_key": "object",
 }
 INSTANCE_COLUMNS = {
     "plan_id": "object", "template_id": "object", "model": "object", "phase": "object", "region": "object",
@@ -63,7 +63,7 @@ def plan_frames(plan: Plan, plan_id: str, run_id: str, inputs: Mapping[str, Any]
            "gap": plan.gap, "solve_s": plan.solve_s, "demand_scale": plan.demand_scale,
            "snapshot_id": plan.snapshot_id, "inputs_json": json.dumps(dict(inputs), sort_keys=True, default=str),
            "churn_usd_per_hour": plan.churn_usd_per_hour, "mip_bound_usd_per_hour": plan.mip_bound_usd_per_hour,
-           "detail_json": json.dumps(detail, sort_keys=True)}
+           "detail_json": json.dumps(detail, sort_keys=True), "scenario_key": plan.scenario_key}
     plans = pd.DataFrame([row]).astype(PLAN_COLUMNS)
     rows = [{"plan_id": plan_id, "template_id": i.template.template_id, "model": i.template.model,
              "phase": i.template.phase, "region": i.region, "nodes": str(i.template.nodes), "count": i.count,
@@ -137,5 +137,6 @@ def load_plan(store, plan_id: str) -> Plan:
         capacity_factors={_unkey(k): v for k, v in detail.get("capacity_factors", {}).items()},
         admit_req_s=detail.get("admit_req_s", {}), expected_attainment=detail.get("expected_attainment", {}),
         expected_from=detail.get("expected_from", ""),
+        scenario_key="" if pd.isna(row.get("scenario_key")) else str(row.get("scenario_key")),
     )
 

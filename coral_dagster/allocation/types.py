@@ -94,6 +94,8 @@ class Plan:
     admit_req_s: Mapping[str, float] = field(default_factory=dict)
     expected_attainment: Mapping[str, float] = field(default_factory=dict)
     expected_from: str = ""
+    # The scenario contents it was planned for (`Scenario.scenario_key`): what "latest" is looked up by.
+    scenario_key: str = ""
 
     @property
     def routing_shares(self) -> dict[str, dict[str, float]]:
@@ -140,7 +142,8 @@ class Plan:
         all `count` instances, `template_tokens_per_s` and `instance_usd_per_hour` for one."""
         return {
             "plan_id": self.plan_id or None,
-            "scenario": self.scenario, "method": self.method, "status": self.status,
+            "scenario": self.scenario, "scenario_key": self.scenario_key or None, "method": self.method,
+            "status": self.status,
             "cost_usd_per_hour": self.cost_usd_per_hour, "churn_usd_per_hour": self.churn_usd_per_hour,
             "lp_bound_usd_per_hour": _finite(self.lp_bound_usd_per_hour),
             "mip_bound_usd_per_hour": _finite(self.mip_bound_usd_per_hour),

@@ -95,11 +95,12 @@ def plan_from_json(doc: dict, path: Path | str = "<plan>"):
               for k, v in served.items()}
     supplied = {tuple(k.rsplit("/", 1)): _number(v, "served_tokens_per_s", path, f"served.{k}", default=0.0)
                 for k, v in served.items()}
-    snapshot = doc.get("snapshot_id") or ""
-    if not isinstance(snapshot, str):
-        raise CatalogError(path, "-", "snapshot_id", f"{snapshot!r} is not text", FIX)
+    snapshot, key = doc.get("snapshot_id") or "", doc.get("scenario_key") or ""
+    for name, value in (("snapshot_id", snapshot), ("scenario_key", key)):
+        if not isinstance(value, str):
+            raise CatalogError(path, "-", name, f"{value!r} is not text", FIX)
     return Plan(scenario, method, status, top["cost_usd_per_hour"], top["lp_bound_usd_per_hour"], top["gap"],
-                top["solve_s"], tuple(instances), demand, supplied, snapshot_id=snapshot)
+                top["solve_s"], tuple(instances), demand, supplied, snapshot_id=snapshot, scenario_key=key)
 
 
 def _number(row: dict, key: str, path, at: str, *, positive: bool = False, default: float | None = None) -> float:

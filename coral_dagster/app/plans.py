@@ -2,31 +2,39 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 from pathlib import Path
+
+import pandas as pd
 
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.storage import load_plan
 from coral_dagster.allocation.types import Plan
+from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.errors import CoralError
 from coral_dagster.store.duck import Store
 
 LATEST = "latest"
 
 
-def latest_plan(store: Store, scenario: str, method: str = "coral") -> Plan:
-    """The newest stored plan of the scenario made by `method` (Coral unless asked otherwise)."""
+def latest_plan(store: Store, scenario: Scenario | str, method: str = "coral") -> Plan:
+    """The newest stored plan of the scenario (a `Scenario`, a bundled name or a file) made by `method` (Coral
+    unless asked otherwise). Plans are found by the scenario's contents (`scenario_key`), so a user file named
+    like a bundled scenario never sees the bundled scenario's plans, nor they its."""
+    scn = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
+    fix = f"make one with `coral plan --scenario {scn.ref} --method {method}` (or `coral run`)."
     if "plans" not in store.tables():
-        raise CoralError(f"no plans are stored in {store.path}.", f"make one with `coral plan --scenario {scenario}`.")
-    rows = store.query("SELECT plan_id FROM plans WHERE scenario = ? AND method = ? "
-                       "ORDER BY created_at DESC, plan_id DESC LIMIT 1", [scenario, method])
+        raise CoralError(f"no plans are stored in {store.path}.", fix)
+    rows = store.query("SELECT plan_id FROM plans WHERE scenario_key = ? AND method = ? "
+                       "ORDER BY created_at DESC, plan_id DESC LIMIT 1", [scn.scenario_key, method]) \
+        if "scenario_key" in store.columns("plans") else pd.DataFrame()
     if rows.empty:
-        raise CoralError(f"no {method} plan of scenario {scenario} is stored in {store.path}.",
-                         f"make one with `coral plan --scenario {scenario} --method {method}` (or `coral run`).")
+        raise CoralError(f"no {method} plan of scenario {scn.ref} is stored in {store.path}.", fix)
     return load_plan(store, str(rows["plan_id"].iloc[0]))
 
 
-def find_plan(store: Store, scenario: str, method: str = "coral") -> Plan | None:
+def find_plan(store: Store, scenario: Scenario | str, method: str = "coral") -> Plan | None:
     """`latest_plan`, or None when the scenario has no stored plan of that method."""
     try:
         return latest_plan(store, scenario, method)
@@ -34,7 +42,24 @@ def find_plan(store: Store, scenario: str, method: str = "coral") -> Plan | None
         return None
 
 
-def resolve_plan(store: Store, ref: str, scenario: str, method: str = "coral") -> Plan:
+def scenario_of(store: Store, plan: Plan) -> Scenario:
+    """The scenario a plan was made for: the file it was planned from (or the bundled one of its name), with the
+    engine it was planned for; raises when that file now holds other settings than the plan's."""
+    inputs = {}
+    if plan.plan_id and "plans" in store.tables():
+        rows = store.query("SELECT inputs_json FROM plans WHERE plan_id = ?", [plan.plan_id])
+        inputs = json.loads(rows["inputs_json"].iloc[0]) if not rows.empty else {}
+    path = inputs.get("scenario_path") or ""
+    scn = load_scenario(path if path and Path(path).is_file() else plan.scenario)
+    if plan.scenario_key and scn.scenario_key != plan.scenario_key:
+        raise CoralError(f"plan {plan.plan_id or '(unstored)'} was made for scenario {plan.scenario} with other "
+                         f"settings than {scn.path or 'the bundled file'} holds now (key {plan.scenario_key}, "
+                         f"now {scn.scenario_key}).",
+                         "restore the scenario file it was planned from, or re-plan with `coral plan`.")
+    return replace(scn, engine=inputs.get("engine") or scn.engine)
+
+
+def resolve_plan(store: Store, ref: str, scenario: Scenario | str, method: str = "coral") -> Plan:
     """A plan named on the command line: `latest` (the scenario's newest plan of `method`), a stored plan id, or a
     JSON file as `coral plan --json` prints it."""
     from coral_dagster.app.plan_files import is_plan_file, load_plan_file
@@ -50,10 +75,9 @@ def plan_problem(store: Store, plan: Plan) -> AllocationProblem:
     """The allocation problem a stored plan answered: its snapshot and library, and the demand it recorded."""
     from coral_dagster.allocation.inputs import scenario_problem
     from coral_dagster.catalog.market import market_from_frame
-    from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.templates.library import load_library
 
-    scenario = load_scenario(plan.scenario)
+    scenario = scenario_of(store, plan)
     snap = market_from_frame(store.query("SELECT * FROM market_snapshots WHERE snapshot_id = ?", [plan.snapshot_id]))
     problem = scenario_problem(scenario, load_library(store, scenario), snap)
     return replace(problem, demand_tokens_per_s=dict(plan.demand_tokens_per_s))

@@ -18,7 +18,7 @@ from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.catalog.store import latest_snapshot
 from coral_dagster.errors import CoralError
-from coral_dagster.store.duck import Store, write_frame
+from coral_dagster.store.duck import Store, newest_snapshot, write_frame
 from coral_dagster.store.views import create_views
 from coral_dagster.templates.library import load_library
 
@@ -43,21 +43,17 @@ def store_demand(store: Store, scenario: Scenario, rates: dict[str, float], dema
     now = now or datetime.now(timezone.utc)
     demand_id = f"{scenario.name}-{now:%Y%m%dT%H%M%S%f}"
     df = pd.DataFrame([{"demand_id": demand_id, "taken_at": now, "scenario": scenario.name, "demand_mix": demand_mix,
-                        "model": m, "rate_req_s": float(r)} for m, r in sorted(rates.items())])
+                        "model": m, "rate_req_s": float(r), "scenario_key": scenario.scenario_key}
+                       for m, r in sorted(rates.items())])
     with store.transaction() as con:
         write_frame(con, "demand_snapshots", df)
     return demand_id
 
 
 def latest_demand(store: Store, scenario: Scenario) -> tuple[str, dict[str, float]]:
-    """(demand_id, rate per model) of the newest demand snapshot of the scenario."""
-    if "demand_snapshots" not in store.tables():
-        raise CoralError(f"no demand snapshot is stored in {store.path}.", "materialize `demand` first.")
-    df = store.query("""SELECT * FROM demand_snapshots WHERE demand_id = (
-                          SELECT demand_id FROM demand_snapshots WHERE scenario = ?
-                          ORDER BY taken_at DESC, demand_id DESC LIMIT 1)""", [scenario.name])
-    if df.empty:
-        raise CoralError(f"no demand snapshot of scenario {scenario.name}.", "materialize `demand` for it first.")
+    """(demand_id, rate per model) of the newest demand snapshot of the scenario (by its `scenario_key`)."""
+    fix = f"materialize `demand` for scenario {scenario.ref} (or run `coral run` on it)."
+    df = newest_snapshot(store, "demand_snapshots", "demand_id", scenario, "demand snapshot", fix)
     return str(df["demand_id"].iloc[0]), dict(zip(df["model"], df["rate_req_s"].astype(float)))
 
 
@@ -85,8 +81,8 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
                          "materialize `template_library` (every model partition) or run "
                          f"`coral templates build --scenario {scenario.name}`.")
     demand_id, rates = latest_demand(store, scenario)
-    running = find_plan(store, scenario.name, method)
-    snapshot = latest_snapshot(store, scenario.name)
+    running = find_plan(store, scenario, method)
+    snapshot = latest_snapshot(store, scenario)
 
     def make(boost):
         problem = scenario_problem(scenario, templates, snapshot, rates=rates,
@@ -100,7 +96,8 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
 
         plan, _ = loop(lambda boost: make(boost)[0], scenario, rates, rounds=loop_rounds,
                        simulate_s=loop_simulate_s)
-    inputs = {"demand_id": demand_id, "snapshot_id": problem.snapshot_id, "templates": len(templates),
+    inputs = {"scenario_path": scenario.path, "demand_id": demand_id, "snapshot_id": problem.snapshot_id,
+              "templates": len(templates),
               "running_plan": running.plan_id if running else None, "scarcity": scarcity,
               "closed_loop": closed_loop}
     plan = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)

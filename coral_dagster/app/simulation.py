@@ -7,7 +7,6 @@ from datetime import datetime, timezone
 import pandas as pd
 
 from coral_dagster.allocation.storage import load_plan
-from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.store.duck import Store, write_frame
 
 
@@ -15,10 +14,11 @@ def simulate_plan_id(store: Store, plan_id: str, *, duration_s: float = 120.0, s
                      trace: str | None = None, attainment_target: float = 0.95):
     """Simulate the stored plan on its scenario's traces and append the per-model figures to `simulations`;
     returns (result, stored rows)."""
+    from coral_dagster.app.plans import scenario_of
     from coral_dagster.simulator.simulate import simulate_plan
 
     plan = load_plan(store, plan_id)
-    result = simulate_plan(plan, load_scenario(plan.scenario), trace=trace, duration_s=duration_s, seed=seed)
+    result = simulate_plan(plan, scenario_of(store, plan), trace=trace, duration_s=duration_s, seed=seed)
     return result, store_simulation(store, plan_id, result, attainment_target)
 
 

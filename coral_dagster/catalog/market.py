@@ -34,6 +34,8 @@ class MarketSnapshot:
     snapshot_id: str
     taken_at: datetime
     offers: tuple[Offer, ...]
+    # The scenario whose regions and availability it holds (`Scenario.scenario_key`); "" when made in code.
+    scenario_key: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {(o.region, o.node): o for o in self.offers})
@@ -69,7 +71,7 @@ class MarketSnapshot:
             {"snapshot_id": self.snapshot_id, "taken_at": self.taken_at, "region": o.region, "node": str(o.node),
              "gpu": o.node.gpu, "gpus": o.node.count, "instance_type": o.instance_type,
              "usd_per_hour": o.usd_per_hour, "spot_usd_per_hour": o.spot_usd_per_hour,
-             "available_nodes": o.available_nodes}
+             "available_nodes": o.available_nodes, "scenario_key": self.scenario_key}
             for o in self.offers
         ])
 
@@ -86,4 +88,5 @@ def market_from_frame(df: pd.DataFrame) -> MarketSnapshot:
         for r in df.itertuples(index=False)), key=lambda o: (o.region, o.node))
     taken = pd.Timestamp(df["taken_at"].iloc[0])
     taken = taken.tz_localize("UTC") if taken.tzinfo is None else taken.tz_convert("UTC")
-    return MarketSnapshot(str(ids[0]), taken.to_pydatetime(), tuple(offers))
+    key = df["scenario_key"].iloc[0] if "scenario_key" in df.columns else None
+    return MarketSnapshot(str(ids[0]), taken.to_pydatetime(), tuple(offers), "" if pd.isna(key) else str(key))

@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass, field as dataclass_field
+from dataclasses import asdict, dataclass, field as dataclass_field
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
@@ -90,6 +90,22 @@ class Scenario:
         }
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
+    @property
+    def scenario_key(self) -> str:
+        """What a plan of this scenario depends on besides the market, as a digest: its name, every field but the
+        description, the file path and the engine (chosen per plan, recorded in its inputs), and the library key.
+        Plans and demand and market snapshots are stored under it, so "latest" never crosses two scenario files."""
+        settings = {k: v for k, v in asdict(self).items() if k not in ("description", "path", "engine")}
+        settings["library_key"] = self.library_key
+        return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    @property
+    def ref(self) -> str:
+        """How to name it on the command line: the bundled name, else the file's path."""
+        bundled = _bundled_files().get(self.name)
+        return self.name if not self.path or (bundled and bundled.resolve() == Path(self.path).resolve()) \
+            else self.path
+
     def model(self, alias: str) -> ScenarioModel:
         """The scenario's entry for one model."""
         for m in self.models:
@@ -128,8 +144,9 @@ class Scenario:
                              "use regions and gpus listed by `coral catalog prices` (or give a --prices file "
                              "that prices them).")
         taken_at = taken_at or datetime.now(timezone.utc).replace(microsecond=0)
-        snapshot_id = f"{self.name}-{taken_at:%Y%m%dT%H%M%S}-x{availability_scale:g}"
-        return MarketSnapshot(snapshot_id, taken_at, tuple(sorted(offers, key=lambda o: (o.region, o.node))))
+        key = self.scenario_key
+        snapshot_id = f"{self.name}-{key[:8]}-{taken_at:%Y%m%dT%H%M%S}-x{availability_scale:g}"
+        return MarketSnapshot(snapshot_id, taken_at, tuple(sorted(offers, key=lambda o: (o.region, o.node))), key)
 
 
 def scenario_names() -> list[str]:

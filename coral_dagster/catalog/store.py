@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from coral_dagster.catalog.frames import CATALOG_FRAMES
 from coral_dagster.catalog.market import MarketSnapshot, market_from_frame
-from coral_dagster.store.duck import Store, write_frame
+from coral_dagster.catalog.scenarios import Scenario
+from coral_dagster.store.duck import Store, newest_snapshot, write_frame
 
 
 def load_catalogs(store: Store) -> dict[str, int]:
@@ -29,18 +30,9 @@ def append_snapshot(store: Store, snapshot: MarketSnapshot) -> int:
     return len(df)
 
 
-def latest_snapshot(store: Store, scenario: str | None = None) -> MarketSnapshot:
-    """The newest stored snapshot (of one scenario when given: snapshot ids start with the scenario name)."""
-    from coral_dagster.errors import CoralError
-
-    if "market_snapshots" not in store.tables():
-        raise CoralError(f"no market snapshot is stored in {store.path}.",
-                         "materialize `market_snapshot` (or run `coral run`) first.")
-    where, params = ("WHERE snapshot_id LIKE ?", [f"{scenario}-%"]) if scenario else ("", [])
-    df = store.query(f"""SELECT * FROM market_snapshots WHERE snapshot_id = (
-                           SELECT snapshot_id FROM market_snapshots {where}
-                           ORDER BY taken_at DESC, snapshot_id DESC LIMIT 1)""", params)
-    if df.empty:
-        raise CoralError(f"no market snapshot of scenario {scenario} is stored in {store.path}.",
-                         "materialize `market_snapshot` for that scenario first.")
+def latest_snapshot(store: Store, scenario: Scenario) -> MarketSnapshot:
+    """The newest stored snapshot of the scenario (stored under its `scenario_key`, so a file named like another
+    scenario never reads that scenario's snapshots)."""
+    fix = f"materialize `market_snapshot` for scenario {scenario.ref} (or run `coral run` on it)."
+    df = newest_snapshot(store, "market_snapshots", "snapshot_id", scenario, "market snapshot", fix)
     return market_from_frame(df)

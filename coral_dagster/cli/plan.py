@@ -91,7 +91,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
                            scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
                            db_path=db_path)
     if save:
-        inputs = {"scenario": scenario, "method": method, "engine": scn.engine,
+        inputs = {"scenario": scenario, "scenario_path": scn.path, "method": method, "engine": scn.engine,
                   "availability_scale": availability_scale,
                   "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
                   "time_limit_s": time_limit_s}

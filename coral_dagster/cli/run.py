@@ -84,9 +84,9 @@ def run_summary(store, plan, result) -> dict:
 
 def previous_plan(store, plan) -> dict | None:
     """The scenario's previous plan of the same method, and how this one differs from it (from `plan_diff`)."""
-    history = store.query("SELECT plan_id, cost_usd_per_hour FROM plan_history WHERE scenario = ? AND method = ? "
+    history = store.query("SELECT plan_id, cost_usd_per_hour FROM plan_history WHERE scenario_key = ? AND method = ? "
                           "AND plan_id <> ? AND created_at <= (SELECT created_at FROM plans WHERE plan_id = ?) "
-                          "ORDER BY seq DESC LIMIT 1", [plan.scenario, plan.method, plan.plan_id, plan.plan_id])
+                          "ORDER BY seq DESC LIMIT 1", [plan.scenario_key, plan.method, plan.plan_id, plan.plan_id])
     if history.empty:
         return None
     diff = store.query("SELECT delta FROM plan_diff WHERE plan_id = ?", [plan.plan_id])["delta"]

@@ -136,6 +136,22 @@ def explain(exc: duckdb.Error, path: Path) -> CoralError:
                           f"{_BROKEN_FIX.format(path=path)} Otherwise report this message as a bug.")
 
 
+def newest_snapshot(store: Store, table: str, id_column: str, scenario, what: str, fix: str) -> pd.DataFrame:
+    """The rows of the newest snapshot (by `taken_at`) that `table` holds for a scenario's `scenario_key`; raises
+    naming `what` and `fix` when the table is missing, older than keys, or holds none of the scenario's."""
+    if table not in store.tables():
+        raise CoralError(f"no {what} is stored in {store.path}.", fix)
+    if "scenario_key" not in store.columns(table):
+        raise CoralError(f"the {what}s in {store.path} were stored before snapshots were keyed by scenario contents.",
+                         fix)
+    df = store.query(f"""SELECT * FROM {table} WHERE {id_column} = (
+                           SELECT {id_column} FROM {table} WHERE scenario_key = ?
+                           ORDER BY taken_at DESC, {id_column} DESC LIMIT 1)""", [scenario.scenario_key])
+    if df.empty:
+        raise CoralError(f"no {what} of scenario {scenario.ref} is stored in {store.path}.", fix)
+    return df
+
+
 def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mode: str = "append",
                 before_insert: tuple[str, list] | None = None) -> None:
     """Write `df` into `table` on an open connection (use inside `Store.transaction()`); `before_insert` is a

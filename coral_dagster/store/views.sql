@@ -1,23 +1,24 @@
 -- Documented views over plan history. Tables: plans (one row per plan), plan_instances (instances per plan).
 
--- plan_history: every plan in time order, with its instance and node counts.
+-- plan_history: every plan in time order, with its instance and node counts; `seq` counts the plans of one
+-- scenario's contents (`scenario_key`) and method.
 CREATE OR REPLACE VIEW plan_history AS
 WITH counted AS (
     SELECT plan_id, coalesce(sum(count), 0) AS instances FROM plan_instances GROUP BY plan_id
 )
-SELECT p.plan_id, p.run_id, p.created_at, p.scenario, p.method, p.status, p.snapshot_id,
+SELECT p.plan_id, p.run_id, p.created_at, p.scenario, p.scenario_key, p.method, p.status, p.snapshot_id,
        p.cost_usd_per_hour, p.lp_bound_usd_per_hour, p.gap, p.solve_s, p.demand_scale,
        coalesce(c.instances, 0) AS instances,
-       row_number() OVER (PARTITION BY p.scenario, p.method ORDER BY p.created_at, p.plan_id) AS seq
+       row_number() OVER (PARTITION BY p.scenario_key, p.method ORDER BY p.created_at, p.plan_id) AS seq
 FROM plans p LEFT JOIN counted c USING (plan_id)
 ORDER BY p.created_at, p.plan_id;
 
 -- plan_diff: per plan, how many instances of each (model, phase, region, nodes) it adds or removes
--- relative to the previous plan of the same scenario and method.
+-- relative to the previous plan of the same scenario contents and method.
 CREATE OR REPLACE VIEW plan_diff AS
 WITH h AS (
-    SELECT plan_id, scenario, method, seq,
-           lag(plan_id) OVER (PARTITION BY scenario, method ORDER BY seq) AS prev_plan_id
+    SELECT plan_id, scenario_key, method, seq,
+           lag(plan_id) OVER (PARTITION BY scenario_key, method ORDER BY seq) AS prev_plan_id
     FROM plan_history
 ), cur AS (
     SELECT h.plan_id, h.prev_plan_id, i.model, i.phase, i.region, i.nodes, i.count
