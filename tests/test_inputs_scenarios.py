@@ -189,6 +189,11 @@ def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
         store_demand(store, scn, {"phi-4": rate}, "uniform")
     assert [latest_snapshot(store, s).snapshot_id[-3:] for s in (a, b)] == ["-x1", "-x5"]
     assert latest_demand(store, a)[1] == {"phi-4": 1.0} and latest_demand(store, b)[1] == {"phi-4": 5.0}
+    # A plan named by id is simulated on the traffic of the file it was planned for (one model), not on the
+    # default --scenario's (bundled core: three models).
+    res = run("simulate", "--plan", pb.plan_id, "--duration-s", "30", "--trace", "poisson")
+    assert res.exit_code == 0, res.output
+    assert [m["model"] for m in json.loads(res.output)["models"]] == ["phi-4"]
     # A file edited after planning no longer answers for the plan: a sentence, not a silent other scenario.
     one.write_text(yaml.safe_dump(with_field(small(name="core"), "models.0.rate_req_s", 0.25)))
     with pytest.raises(CoralError, match="other settings"):

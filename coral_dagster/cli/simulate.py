@@ -12,18 +12,28 @@ from coral_dagster.errors import CoralError
 from coral_dagster.simulator.simulate import TRAFFIC
 
 
-def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str, db_path: str | None):
-    """(label, Plan): a fresh plan of --method, or a stored plan (`latest` of the scenario and method, an id, or a
-    JSON file)."""
-    from coral_dagster.app.plans import plan_label, resolve_plan
+def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str, db_path: str | None,
+                  scenario_given: bool):
+    """(label, Plan, Scenario): a fresh plan of --method, or a stored plan (`latest` of the scenario and method, an
+    id, or a JSON file), with the scenario whose traffic it serves: the one it was planned for unless --scenario
+    names another (then a note says so)."""
+    from coral_dagster.app.plans import plan_label, resolve_plan, scenario_of
+    from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.store import Store
 
+    scn = load_scenario(scenario)
     if fresh:
         from coral_dagster.allocation.scenario_plans import plan_scenario
 
-        return f"fresh {method} plan (unstored)", plan_scenario(scenario, method=method, db_path=db_path)
-    plan = resolve_plan(Store(db_path), plan_ref, scenario, method)
-    return plan_label(plan), plan
+        return f"fresh {method} plan (unstored)", plan_scenario(scn, method=method, db_path=db_path), scn
+    store = Store(db_path)
+    plan = resolve_plan(store, plan_ref, scn, method)
+    if plan.scenario_key and plan.scenario_key != scn.scenario_key:
+        if not scenario_given:
+            return plan_label(plan), plan, scenario_of(store, plan)
+        click.echo(f"note: {plan_label(plan)} was planned for scenario {plan.scenario} with other settings; "
+                   f"simulating it on {scn.ref}'s traffic as asked.", err=True)
+    return plan_label(plan), plan, scn
 
 
 @click.command("simulate")
@@ -61,8 +71,9 @@ def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, ga
 
     if rate_scale <= 0:
         raise CoralError(f"--rate-scale {rate_scale}.", "give a positive factor, e.g. 1 or 2.")
-    label, plan = _resolve_plan(plan_ref, method, fresh, scenario, db_path)
-    result = simulate_plan(plan, scenario, trace=traffic, duration_s=duration_s, seed=seed, rate_scale=rate_scale,
+    given = click.get_current_context().get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
+    label, plan, scn = _resolve_plan(plan_ref, method, fresh, scenario, db_path, given)
+    result = simulate_plan(plan, scn, trace=traffic, duration_s=duration_s, seed=seed, rate_scale=rate_scale,
                            gamma_cv=gamma_cv)
     plots = {}
     if plots_dir:
@@ -78,7 +89,7 @@ def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, ga
         return
     cols = ["model", "arrivals", "attainment", "goodput_tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
             "tpot_p99_ms", "e2e_p50_ms", "e2e_p99_ms", "mean_busy_fraction"]
-    emit_table(result.by_model[cols], title=f"{scenario}: {label}, {result.arrivals} "
+    emit_table(result.by_model[cols], title=f"{scn.ref}: {label}, {result.arrivals} "
                                             f"x{rate_scale:g}, {duration_s:g} s")
     c = result.counts
     click.echo(f"attainment {result.attainment:.2%}, goodput {result.goodput_tokens_per_s:,.0f} tokens/s, "
