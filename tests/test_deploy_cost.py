@@ -114,3 +114,25 @@ def test_launch_dry_run_prices_from_the_plans_snapshot_and_shows_the_full_cost(s
     text = CliRunner().invoke(launch_cli.launch, args, catch_exceptions=False).output
     assert f"deployment ${expected:,.2f}/h = ${expected:,.2f}/h for {gpu_nodes(p)} GPU node(s)" in text
     assert f"plan ${p.cost_usd_per_hour:,.2f}/h" in text and "unpriced: no CPU VM price" in text
+
+
+def test_deployment_specs_asset_records_the_full_cost_as_float_metadata(store, tmp_path):
+    import dagster as dg
+
+    from assets.deployment import deployment_specs
+    from resources.launcher import SkyPilotLauncher
+    from resources.store import CoralDuckDB
+
+    p = plan((QWEN, "aws:us-east-2", 1), (VLLM, "aws:us-east-2", 1))
+    _store_on_snapshot(store, p, 2.0)
+    result = dg.materialize([deployment_specs], resources={
+        "duckdb": CoralDuckDB(database=str(store.path)), "launcher": SkyPilotLauncher(out_dir=str(tmp_path))})
+    assert result.success
+    (event,) = result.asset_materializations_for_node("deployment_specs")
+    meta = event.metadata
+    expected = 2.0 * oracle_gpu_usd(p, PRICES)
+    for key in ("gpu_usd_per_hour", "total_usd_per_hour", "cpu_usd_per_hour", "plan_usd_per_hour"):
+        assert isinstance(meta[key], dg.FloatMetadataValue), key
+    assert meta["gpu_usd_per_hour"].value == pytest.approx(expected, abs=1e-4)
+    assert meta["total_usd_per_hour"].value == pytest.approx(expected, abs=1e-4) and meta["cpu_usd_per_hour"].value == 0
+    assert meta["clusters"].value == gpu_nodes(p) + 1 and "unpriced: no CPU VM price" in meta["unpriced"].value
