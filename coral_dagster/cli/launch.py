@@ -72,16 +72,16 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
 
     Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
     node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
-    The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's. State lives in DuckDB (`coral status`); a run that
-    stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
+    The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
+    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
     are read from this shell at launch and handed to SkyPilot as secrets, never written anywhere. A real run
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
     from coral_dagster import paths
     from coral_dagster.app.deployment import snapshot_prices
     from coral_dagster.app.plans import plan_label
-    from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy import state
+    from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy.names import plan_tag
     from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
     from coral_dagster.store import Store

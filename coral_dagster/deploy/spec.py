@@ -125,10 +125,6 @@ class InstanceSpec:
     index: int
     nodes: tuple[NodeSpec, ...]
 
-    @property
-    def is_vllm(self) -> bool:
-        return any(n.role == "vllm" for n in self.nodes)
-
 
 def _rate(price: NodePrice, use_spot: bool) -> float:
     if not use_spot:
@@ -222,10 +218,11 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
     for s, stage in enumerate(t.stages):
         for k, node in enumerate(stage.nodes):
             price = shape.price_of(node)
+            is_head = stage_names[s][k] == head
             envs = {
                 **_scheduler_envs(shape, instance_id),
                 "CORAL_NODE": stage_names[s][k],
-                "CORAL_HEAD": "1" if (s, k) == (0, 0) else "0",
+                "CORAL_HEAD": "1" if is_head else "0",
                 "CORAL_LAYERS": f"{stage.start}:{stage.end}",
                 "CORAL_STAGE_RANK": str(s),
                 "CORAL_SHARE": f"{stage.shares[k]:.6g}",
@@ -236,7 +233,7 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
             engines.append(NodeSpec(cluster_name=stage_names[s][k], role="engine", stage=s, node_index=k,
                                     node=str(node), instance_type=price.instance_type,
                                     usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
-                                    wires=(("CORAL_SCHEDULER", (head,)),) if (s, k) != (0, 0) else (), **common))
+                                    wires=() if is_head else (("CORAL_SCHEDULER", (head,)),), **common))
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(engines))
 
 
