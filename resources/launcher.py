@@ -27,9 +27,7 @@ class SkyPilotLauncher(dg.ConfigurableResource):
             diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
             dry = write_dry_run(diff, Path(self.out_dir) / plan_tag(plan_id))
             return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
-                    "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep),
-                    "gpu_usd_per_hour": round(sum(n.usd_per_hour for n in diff.nodes_to_launch()
-                                                  if n.role == "engine"), 4)}
+                    "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep)}
         from coral_dagster.deploy.drain import CoordinatorDrainer
         from coral_dagster.deploy.sky_adapter import SkyLauncher
 

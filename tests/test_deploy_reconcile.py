@@ -58,8 +58,13 @@ P2 = plan((QWEN, "aws:us-east-2", 1), (GPT, "gcp:us-central1", 1))
 
 
 def clusters_of(p: Plan) -> int:
-    """Clusters a plan needs, counted from the plan itself: its nodes, a scheduler per instance, one coordinator."""
-    return 1 + sum(i.count * (i.template.nodes.size + 1) for i in p.instances)
+    """Clusters a plan needs, counted from the plan itself: its GPU nodes and one coordinator."""
+    return 1 + sum(i.count * i.template.nodes.size for i in p.instances)
+
+
+def heads(rows):
+    """The recorded node of each instance that runs its scheduler: stage 0, node 0."""
+    return rows[(rows.role != "coordinator") & (rows.stage == 0) & (rows.node_index == 0)]
 
 
 def nodes(store: Store):
@@ -91,13 +96,14 @@ def test_first_run_launches_every_node_once_in_wiring_order(store):
     assert role[names[0]] == "coordinator"
     order = {n: i for i, n in enumerate(names)}
     for _, inst in rows[rows.role != "coordinator"].groupby("instance_id"):
-        sched = inst[inst.role == "scheduler"].cluster_name.item()
-        assert all(order[sched] < order[e] for e in inst[inst.role == "engine"].cluster_name)
-    engines = rows[rows.role == "engine"]
+        head = heads(inst).cluster_name.item()
+        assert all(order[head] < order[e] for e in inst.cluster_name if e != head)
+    engines = rows[rows.role != "coordinator"]
+    assert set(engines.role) == {"engine"}
     sizes = {"qwen3-32b": QWEN.nodes.size, "phi-4": PHI.nodes.size}
     assert engines.groupby("instance_id").size().to_dict() == \
         {i: sizes[m] for i, m in engines.groupby("instance_id").model.first().items()}
-    assert Counter(rows[rows.role == "scheduler"].model) == {"qwen3-32b": 2, "phi-4": 1}
+    assert Counter(heads(rows).model) == {"qwen3-32b": 2, "phi-4": 1}
 
 
 def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
@@ -107,12 +113,14 @@ def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
     rows = nodes(store)
     coord = rows[rows.role == "coordinator"].cluster_name.item()
     assert launcher.requests[coord].config["envs"]["CORAL_MODEL"].split() == ["phi-4", "qwen3-32b"]
-    for iid, inst in rows[rows.role != "coordinator"].groupby("instance_id"):
-        sched = launcher.requests[inst[inst.role == "scheduler"].cluster_name.item()].config
-        engines = [launcher.requests[c].config for c in inst[inst.role == "engine"].cluster_name]
+    for iid, inst in rows[rows.role == "engine"].groupby("instance_id"):
+        head = heads(inst).cluster_name.item()
+        sched = launcher.requests[head].config
+        engines = [launcher.requests[c].config for c in inst.cluster_name]
         model = get_model(sched["envs"]["CORAL_MODEL"])
-        assert sched["envs"]["CORAL_INSTANCE"] == iid
+        assert sched["envs"]["CORAL_INSTANCE"] == iid and sched["envs"]["CORAL_HEAD"] == "1"
         assert sched["envs"]["CORAL_COORDINATOR"] == addr[coord]
+        assert sched["resources"]["ports"] == [5555, 5556]
         split = [int(x) for x in sched["envs"]["CORAL_SPLIT"].split(",")]
         # Layer ranges tile [0, n_layers) in the split the scheduler and vLLM are given.
         ranges = sorted({tuple(map(int, c["envs"]["CORAL_LAYERS"].split(":"))) for c in engines})
@@ -121,7 +129,10 @@ def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
         shares: dict[int, float] = {}
         for c in engines:
             e = c["envs"]
-            assert e["CORAL_SCHEDULER"] == addr[sched["name"]]
+            if c["name"] != head:
+                # The others reach the head's scheduler; only the head reports to the coordinator.
+                assert e["CORAL_SCHEDULER"] == addr[head] and e["CORAL_HEAD"] == "0"
+                assert e["CORAL_COORDINATOR"] == "" and c["resources"]["ports"] == 5555
             assert e["CORAL_MODEL"] == model.alias and e["CORAL_SPLIT"] == e["VLLM_PP_LAYER_PARTITION"]
             assert e["CORAL_SPLIT"] == sched["envs"]["CORAL_SPLIT"] and e["CORAL_ENGINE"] == "torch"
             assert ranges[int(e["CORAL_STAGE_RANK"])] == tuple(map(int, e["CORAL_LAYERS"].split(":")))
@@ -168,7 +179,7 @@ def test_new_plan_launches_added_drains_then_downs_removed_and_keeps_the_rest(st
         drain_at = new_calls.index(("drain", iid))
         assert all(new_calls.index(("down", c)) > drain_at for c in first[first.instance_id == iid].cluster_name)
     added = launched(new_calls)
-    assert len(added) == GPT.nodes.size + 1
+    assert len(added) == GPT.nodes.size
     assert all(launcher.requests[c].config["envs"].get("CORAL_MODEL") == "gpt-oss-20b" for c in added)
     untouched = set(first[first.instance_id == stays].cluster_name)
     assert untouched.isdisjoint(c for _, c in new_calls)
@@ -176,16 +187,18 @@ def test_new_plan_launches_added_drains_then_downs_removed_and_keeps_the_rest(st
     rows = nodes(store).set_index("cluster_name")
     assert set(rows.loc[list(removed_clusters), "status"]) == {"down"}
     assert set(rows.loc[list(untouched), "status"]) == {"launched"}
-    # The new scheduler reports to the coordinator started by the first plan.
+    # The new instance's head (its scheduler) reports to the coordinator started by the first plan.
     coord = first[first.role == "coordinator"].address.item()
-    assert {launcher.requests[c].config["envs"].get("CORAL_COORDINATOR") for c in added} == {coord, None}
+    new_head = heads(nodes(store).set_index("cluster_name").loc[added].reset_index()).cluster_name.item()
+    assert {c: launcher.requests[c].config["envs"]["CORAL_COORDINATOR"] for c in added} == \
+        {c: coord if c == new_head else "" for c in added}
     assert set(drainer.coordinators) == {coord}
 
 
 def test_failed_node_rolls_back_its_instance_and_is_marked_failed(store):
     diff = plan_diff(P1, "p1", nodes(store), PRICES)
     victim = next(i for i in diff.launch if i.shape.template.model == "qwen3-32b")
-    stage0 = next(n.cluster_name for n in victim.engines if n.stage == 0)
+    stage0 = next(n.cluster_name for n in victim.nodes if n.stage == 0)
     launcher = RecordingLauncher(fail={stage0})
     report = reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
     assert report.status == "failed" and report.failed == (victim.instance_id,)
@@ -204,11 +217,11 @@ def test_failed_node_rolls_back_its_instance_and_is_marked_failed(store):
     retry = RecordingLauncher()
     report = reconcile(P1, "p1", store, retry, RecordingDrainer(), PRICES)
     fresh = launched(retry.calls)
-    assert len(fresh) == QWEN.nodes.size + 1 and report.status == "done"
+    assert len(fresh) == QWEN.nodes.size and report.status == "done"
     assert set(fresh).isdisjoint(n.cluster_name for n in victim.nodes)
     live = nodes(store)
     live = live[live.status == "launched"]
-    assert live[live.role == "scheduler"].groupby("model").size().to_dict() == {"qwen3-32b": 2, "phi-4": 1}
+    assert heads(live).groupby("model").size().to_dict() == {"qwen3-32b": 2, "phi-4": 1}
 
 
 class Crash(BaseException):
@@ -270,7 +283,7 @@ def test_failed_down_is_retried_by_the_next_run(store):
     launcher = RecordingLauncher()
     reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
     phi = nodes(store)
-    stuck = phi[(phi.model == "phi-4") & (phi.role == "scheduler")].cluster_name.item()
+    stuck = heads(phi[phi.model == "phi-4"]).cluster_name.item()
     launcher.fail_down = {stuck}
     p = plan((QWEN, "aws:us-east-2", 2))
     report = reconcile(p, "p2", store, launcher, RecordingDrainer(), PRICES)
@@ -303,15 +316,15 @@ def test_dry_run_writes_tasks_and_commands_and_leaves_duckdb_alone(store, tmp_pa
     assert len(dry.yaml_paths) == clusters_of(P1)
     launches = [c for c in dry.commands if c.startswith("sky launch")]
     assert len(launches) == clusters_of(P1)
-    for path, cmd in zip(dry.yaml_paths, launches):
+    for node, path, cmd in zip(diff.nodes_to_launch(), dry.yaml_paths, launches):
         cfg = yaml.safe_load(path.read_text())
-        assert cmd.endswith(str(path)) and f"-c {cfg['name']}" in cmd
+        assert cmd.endswith(str(path)) and cfg["name"] == node.cluster_name and f"-c {node.cluster_name}" in cmd
         for secret in cfg["secrets"]:
             assert f"--secret {secret}" in cmd
-        if "CORAL_COORDINATOR" in cfg["envs"]:
-            assert f'--env "CORAL_COORDINATOR=tcp://$(sky status --ip {diff.coordinator.cluster_name}):5555"' in cmd
-        if "CORAL_SCHEDULER" in cfg["envs"]:
-            assert '--env "CORAL_SCHEDULER=tcp://$(sky status --ip ' in cmd
+        head = node.role != "coordinator" and (node.stage, node.node_index) == (0, 0)
+        coordinator = f'--env "CORAL_COORDINATOR=tcp://$(sky status --ip {diff.coordinator.cluster_name}):5555"'
+        assert (coordinator in cmd) == head
+        assert ('--env "CORAL_SCHEDULER=tcp://$(sky status --ip ' in cmd) == (node.role == "engine" and not head)
 
     reconcile(P1, "p1", store, RecordingLauncher(), RecordingDrainer(), PRICES)
     before = nodes(store)
@@ -319,14 +332,15 @@ def test_dry_run_writes_tasks_and_commands_and_leaves_duckdb_alone(store, tmp_pa
     dry = write_dry_run(diff, tmp_path / "yaml2")
     removed = {c for r in diff.remove for c in r.clusters}
     assert {c.split()[-1] for c in dry.commands if c.startswith("sky down")} == removed
-    assert len(dry.yaml_paths) == GPT.nodes.size + 1
+    assert len(dry.yaml_paths) == GPT.nodes.size
     # Known addresses are written in; only those of nodes not yet launched are left to the shell.
     coord = before.query("role == 'coordinator'")
-    for path, cmd in zip(dry.yaml_paths, (c for c in dry.commands if c.startswith("sky launch"))):
+    for node, path, cmd in zip(diff.nodes_to_launch(), dry.yaml_paths,
+                               (c for c in dry.commands if c.startswith("sky launch"))):
         envs = yaml.safe_load(path.read_text())["envs"]
-        if "CORAL_COORDINATOR" in envs:
+        assert coord.cluster_name.item() not in cmd
+        if (node.stage, node.node_index) == (0, 0):
             assert envs["CORAL_COORDINATOR"] == coord.address.item()
-            assert coord.cluster_name.item() not in cmd
     assert nodes(store).equals(before)
 
 
@@ -393,6 +407,8 @@ def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
     assert doc["instances"] == sum(i.count for i in P1.instances)
     assert doc["gpu_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour)
     assert len(doc["nodes"]) == clusters_of(P1) and doc["last_run"]["status"] == "done"
+    coordinator = [n["cluster_name"] for n in doc["nodes"] if n["role"] == "coordinator"]
+    assert doc["unpriced_clusters"] == coordinator and len(coordinator) == 1
     text = _cli(monkeypatch, ["status", "--db", str(store.path)], P1, "p1")
     assert "3 instance(s)" in text
 
@@ -422,13 +438,14 @@ def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):
     from coral_dagster.allocation.storage import load_plan
     from resources.launcher import SkyPilotLauncher
 
-    bundled = sum(n.usd_per_hour for n in plan_diff(P1, "p", nodes(store), PRICES).nodes_to_launch()
-                  if n.role == "engine")
+    rows = PRICES.set_index(["region", "node"]).usd_per_hour
+    bundled = sum(i.count * k * rows[(i.region, str(n))] for i in P1.instances for n, k in i.template.nodes.counts)
     for scale in (1.0, 3.0):
         plan = load_plan(store, _store_on_snapshot(store, P1, scale))
         report = deploy(store, plan, SkyPilotLauncher(out_dir=str(tmp_path / f"x{scale:g}")))
         assert report["plan_id"] == plan.plan_id
         assert report["gpu_usd_per_hour"] == pytest.approx(bundled * scale, rel=1e-6)
+        assert report["plan_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour, rel=1e-6)
 
 
 def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):

@@ -58,6 +58,7 @@ for path in payload["yamls"]:
         "path": path, "name": task.name, "cloud": str(r.cloud).lower(), "region": r.region,
         "instance_type": r.instance_type, "accelerators": r.accelerators, "use_spot": r.use_spot,
         "ports": r.ports, "usd_per_hour": r.get_cost(3600) if r.instance_type else None,
+        "disk_size": r.disk_size, "cpus": r.cpus,
         "secret_refs": sorted(ref.name for ref in task.managed_secret_refs), "inline_secrets": sorted(task.secrets),
         "envs": dict(task.envs)})
 
@@ -183,7 +184,7 @@ def probe(tmp_path_factory):
         path.parent.mkdir(exist_ok=True)
         path.write_text(yaml.safe_dump(dict(req.config), sort_keys=False))
         wired.append(path)
-    checked_in = [paths.REPO_ROOT / "sky_tasks" / f"{r}.yaml" for r in ("engine", "scheduler", "coordinator")]
+    checked_in = [paths.REPO_ROOT / "sky_tasks" / f"{r}.yaml" for r in ("engine", "vllm", "coordinator")]
     engine = next(r for r in launcher.requests.values() if "CORAL_LAYERS" in r.config["envs"])
     rows = [{"cloud": r.region.split(":")[0], "region": r.region.split(":")[1], "gpu": r.gpu, "gpus": int(r.gpus),
              "instance_type": r.instance_type, "zones": _zones(r)} for r in PRICES.itertuples()]
@@ -202,6 +203,7 @@ def probe(tmp_path_factory):
     result["_stderr"] = done.stderr
     result["_diff"] = diff
     result["_launcher"] = launcher
+    result["_wired"] = {str(p) for p in wired}
     return result
 
 
@@ -210,12 +212,20 @@ def state_frame(tmp_path_factory):
     return read_nodes(Store(tmp_path_factory.mktemp("empty") / "none.duckdb"))
 
 
+def _ports(envs: dict) -> list[str]:
+    """What a task opens, from what it runs: a Coral head also its engine's port (SkyPilot writes the two as a
+    range), a vLLM node vLLM's."""
+    if envs.get("CORAL_HEAD") == "1":
+        return ["5555-5556"]
+    return ["5555", "29501"] if "CORAL_NODE_RANK" in envs else ["5555"]
+
+
 def test_every_generated_and_checked_in_task_loads_and_validates(probe):
     tasks = probe["tasks"]
-    n_nodes = 1 + sum(i.count * (i.template.nodes.size + 1) for i in PLAN.instances)
+    n_nodes = 1 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
     assert len(tasks) == 2 * n_nodes + 3
     for t in tasks:
-        assert t["ports"] == ["5555"]
+        assert t["ports"] == _ports(t["envs"]), t["path"]
         assert t["inline_secrets"] == []
         assert t["secret_refs"], t["path"]
     assert not probe["api_server_dir"]
@@ -235,6 +245,23 @@ def test_engine_resources_match_the_plan_node_by_node(probe):
         assert t["usd_per_hour"] == pytest.approx(n.usd_per_hour, rel=1e-9)
     assert {t["use_spot"] for t in engines if t["envs"]["CORAL_MODEL"] == "phi-4"} == {True}
     assert {t["use_spot"] for t in engines if t["envs"]["CORAL_MODEL"] != "phi-4"} == {False}
+
+
+def test_full_cost_is_skypilots_price_of_every_gpu_task_and_the_coordinator_is_named_unpriced(probe):
+    """The launched tasks are the plan's GPU nodes plus one coordinator; SkyPilot's own hourly price of the GPU
+    tasks sums to the deployment's GPU cost; the coordinator (no instance type pinned) is listed as unpriced, and
+    the disk SkyPilot will give each cluster is the one the cost states."""
+    from coral_dagster.deploy.cost import deployment_cost
+
+    cost = deployment_cost(PLAN, "plan-sky", PRICES, "the bundled prices")
+    wired = [t for t in probe["tasks"] if t["path"] in probe["_wired"]]
+    gpu = [t for t in wired if t["accelerators"]]
+    cpu = [t for t in wired if not t["accelerators"]]
+    assert len(gpu) == sum(i.count * i.template.nodes.size for i in PLAN.instances) == cost.gpu_nodes
+    assert len(cpu) == cost.cpu_nodes == 1 and cpu[0]["instance_type"] is None and cpu[0]["cpus"] == "4+"
+    assert cost.gpu_usd_per_hour == pytest.approx(sum(t["usd_per_hour"] for t in gpu), rel=1e-9)
+    assert cost.cpu_usd_per_hour == 0 and any(cpu[0]["name"] in u and "unpriced" in u for u in cost.unpriced)
+    assert {t["name"]: t["disk_size"] for t in wired} == dict(cost.disk_gb)
 
 
 def test_on_demand_prices_and_instance_types_agree_with_skypilot_catalog(probe):

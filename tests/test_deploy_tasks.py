@@ -12,9 +12,10 @@ import pytest
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT
+from coral_dagster.deploy.spec import CORAL_PORT, HEAD_ENGINE_PORT
 
-ROLES = ("engine", "scheduler", "coordinator")
+# The roles whose run ends in one `coral serve <role>` (a vLLM node's run picks its rank's command).
+ROLES = ("engine", "coordinator")
 
 
 def task(role: str) -> dict:
@@ -24,7 +25,7 @@ def task(role: str) -> dict:
 def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
     for role in ("engine", "vllm"):
         assert task(role)["setup"].strip().endswith("bash sky_tasks/setup_node.sh")
-    for role in ("scheduler", "coordinator"):
+    for role in ("coordinator",):
         setup = task(role)["setup"]
         assert "vllm" not in setup and "setup_node" not in setup and "python -m pip install -e ." in setup
     project = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]
@@ -61,7 +62,8 @@ def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():
         assert doc["secrets"] and all(v is None for v in doc["secrets"].values())
         assert {"CORAL_CURVE_SECRET_KEY", "CORAL_CURVE_PUBLIC_KEYS"} <= set(doc["secrets"])
         assert ("HF_TOKEN" in doc["secrets"]) == (role == "engine")
-        assert doc["resources"]["ports"] == CORAL_PORT
+        # The engine task's defaults are a head's: its scheduler on CORAL_PORT, its engine on the next port.
+        assert doc["resources"]["ports"] == ([CORAL_PORT, HEAD_ENGINE_PORT] if role == "engine" else CORAL_PORT)
         assert doc["envs"]["CORAL_LISTEN"] == f"tcp://0.0.0.0:{CORAL_PORT}"
         assert doc["run"].strip().endswith(f"python -m coral_dagster.cli.serve {role}")
     assert task("coordinator")["envs"]["CORAL_HTTP_HOST"] == "127.0.0.1"
@@ -78,10 +80,16 @@ def test_engine_advertises_its_public_ip_else_the_one_skypilot_reports(tmp_path,
     (tmp_path / "curl").chmod(0o755)
     script = task("engine")["run"].replace("python -m coral_dagster.cli.serve engine", 'echo "$CORAL_ADVERTISE"')
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CORAL_LISTEN": task("engine")["envs"]["CORAL_LISTEN"],
-           "SKYPILOT_NODE_IPS": "10.1.2.3\n10.1.2.4"}
+           "CORAL_HEAD": "0", "SKYPILOT_NODE_IPS": "10.1.2.3\n10.1.2.4"}
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
+
+
+def test_every_cluster_states_its_disk():
+    """Disks are not priced (no disk prices in our data), so each task states the size it gets."""
+    for role in ("engine", "vllm", "coordinator"):
+        assert isinstance(task(role)["resources"]["disk_size"], int) and task(role)["resources"]["disk_size"] > 0
 
 
 def test_deploy_and_cli_modules_leave_skypilot_unimported():

@@ -48,8 +48,9 @@ def test_a_vllm_instance_is_one_cluster_per_stage_wired_to_its_head(store):
         assert c["resources"]["ports"] == [5555, VLLM_MASTER_PORT]
         assert c["resources"]["accelerators"] == str(GPT.stages[rank].nodes[0])
     assert configs[0]["envs"]["CORAL_COORDINATOR"].startswith("tcp://")
-    # The Coral-runtime instance keeps its scheduler VM; the vLLM instance has none.
-    assert set(rows[rows.role == "scheduler"].model) == {"phi-4"}
+    assert all(c["envs"]["CORAL_COORDINATOR"] == "" for c in configs[1:])
+    # Neither instance has a CPU VM of its own: every cluster but the coordinator carries GPUs.
+    assert set(rows.role) == {"vllm", "engine", "coordinator"} and (rows.role == "coordinator").sum() == 1
 
 
 def _run_script(config: dict, tmp_path) -> list[str]:

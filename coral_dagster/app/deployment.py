@@ -29,8 +29,11 @@ def snapshot_prices(store: Store, plan: Plan) -> tuple[pd.DataFrame, str]:
 
 def deploy(store: Store, plan: Plan, launcher) -> dict:
     """Hand the plan, priced from its own snapshot, to a launcher (`deploy(store, plan, prices) -> dict`); the
-    report carries the plan's cost beside the deployment's."""
+    report carries the plan's cost beside the deployment's full cost (`deploy.cost.DeploymentCost.as_dict`)."""
+    from coral_dagster.deploy.cost import deployment_cost
+
     prices, source = snapshot_prices(store, plan)
+    cost = deployment_cost(plan, plan.plan_id, prices, source)
     report = launcher.deploy(store, plan, prices)
     return {"plan_id": plan.plan_id, "method": plan.method, "priced_from": source,
-            "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **report}
+            "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), **report}

@@ -30,12 +30,21 @@ def _actions(diff) -> pd.DataFrame:
     rows = [{"action": "launch", "cluster": n.cluster_name, "role": n.role, "instance": n.instance_id,
              "region": n.region, "node": n.node or None, "instance_type": n.instance_type or None,
              "spot": n.use_spot if n.role in GPU_ROLES else None,
-             "usd_per_hour": n.usd_per_hour if n.role in GPU_ROLES else None} for n in diff.nodes_to_launch()]
+             "usd_per_hour": n.usd_per_hour} for n in diff.nodes_to_launch()]
     rows += [{"action": "drain+down", "cluster": c, "role": None, "instance": r.instance_id, "region": None,
               "node": None, "instance_type": None, "spot": None, "usd_per_hour": None}
              for r in diff.remove for c in r.clusters]
     return pd.DataFrame(rows, columns=["action", "cluster", "role", "instance", "region", "node", "instance_type",
                                        "spot", "usd_per_hour"])
+
+
+def _echo_cost(plan, cost, priced_from: str) -> None:
+    """The deployment's full cost beside the plan's, and each part left unpriced."""
+    click.echo(f"deployment ${cost.total_usd_per_hour:,.2f}/h = ${cost.gpu_usd_per_hour:,.2f}/h for "
+               f"{cost.gpu_nodes} GPU node(s) + ${cost.cpu_usd_per_hour:,.2f}/h for {cost.cpu_nodes} CPU VM(s), "
+               f"priced from {priced_from}; plan ${plan.cost_usd_per_hour:,.2f}/h")
+    for part in cost.unpriced:
+        click.echo(f"  {part}")
 
 
 @click.command("launch")
@@ -61,9 +70,10 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
            as_json: bool, db_path: str | None) -> None:
     """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
 
-    Each engine node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned), wired to its
-    instance's scheduler and next-stage peers through envs. State lives in DuckDB (`coral status`); a run that
-    stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
+    Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
+    node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
+    The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
+    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
     are read from this shell at launch and handed to SkyPilot as secrets, never written anywhere. A real run
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
@@ -71,6 +81,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     from coral_dagster.app.deployment import snapshot_prices
     from coral_dagster.app.plans import plan_label
     from coral_dagster.deploy import state
+    from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy.names import plan_tag
     from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
     from coral_dagster.store import Store
@@ -79,6 +90,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     plan = _load_plan(store, plan_ref, scenario, method)
     plan_id, label = plan.plan_id, plan_label(plan)
     prices, priced_from = snapshot_prices(store, plan)
+    cost = deployment_cost(plan, plan_id, prices, priced_from)
     if dry_run:
         diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
         out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
@@ -86,20 +98,16 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
         actions = _actions(diff)
         if as_json:
             emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True, "priced_from": priced_from,
-                       "plan_usd_per_hour": plan.cost_usd_per_hour,
-                       "gpu_usd_per_hour": sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine"), "out": str(out),
+                       "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), "out": str(out),
                        "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
                        "keep": list(diff.keep), "actions": _records(actions)})
             return
+        _echo_cost(plan, cost, priced_from)
         if not diff.changes:
             click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
             return
-        gpu_usd = sum(n.usd_per_hour for n in diff.nodes_to_launch() if n.role == "engine")
-        others = sum(1 for n in diff.nodes_to_launch() if n.role != "engine")
-        emit(actions, False, title=f"{label} (${plan.cost_usd_per_hour:,.2f}/h planned): launch "
-                                   f"${gpu_usd:,.2f}/h of GPU nodes priced from {priced_from}"
-                                   + (f" and {others} CPU node(s)" if others else "")
-                                   + f", remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
+        emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
+                                   f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
         click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")
         for line in dry.commands:
             click.echo(line)
@@ -111,8 +119,9 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
                        prices, drain_timeout_s)
     if as_json:
-        emit_json(report.as_dict())
+        emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict()})
         return
+    _echo_cost(plan, cost, priced_from)
     click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
                f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
     for message in report.messages:
@@ -141,8 +150,10 @@ def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     if nodes.empty:
         click.echo("nothing deployed yet (run `coral launch --dry-run` to see what a plan would start)")
         return
+    unpriced = summary["unpriced_clusters"]
     emit(shown, False, title=f"deployment: {summary['instances']} instance(s), "
-                             f"{summary['gpu_usd_per_hour']:.2f} $/h of GPU nodes up")
+                             f"{summary['gpu_usd_per_hour']:.2f} $/h of GPU nodes up"
+                             + (f"; unpriced (no CPU VM price): {', '.join(unpriced)}" if unpriced else ""))
     if summary["last_run"]:
         last = summary["last_run"]
         click.echo(f"last run {last['run_id']} for plan {last['plan_id']}: {last['status']}")

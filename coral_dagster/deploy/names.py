@@ -1,4 +1,4 @@
-"""Deterministic SkyPilot cluster names for coordinator, scheduler and engine nodes."""
+"""Deterministic SkyPilot cluster names for the coordinator and the engine nodes."""
 
 from __future__ import annotations
 
@@ -43,11 +43,6 @@ def _fit(head: str, tail: str) -> str:
 def coordinator_name(plan_id: str) -> str:
     """The coordinator's cluster, named after the plan that first launched it."""
     return f"coral-{plan_tag(plan_id)}-coord"
-
-
-def scheduler_name(plan_id: str, model: str, phase: str, instance: int) -> str:
-    """The scheduler of instance number `instance` of a plan."""
-    return _fit(model, f"{plan_tag(plan_id)}-i{instance}{PHASE_LETTER[phase]}-sch")
 
 
 def engine_name(plan_id: str, model: str, phase: str, instance: int, stage: int, node: int) -> str:

@@ -178,10 +178,9 @@ def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: 
         for r in live.itertuples():
             removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "the plan has no instances"))
         return None
-    models = tuple(sorted({s.template.model for s in shapes}))
     if len(live):
-        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), models)
-    return build_coordinator(plan_id, coordinator_region(shapes), models)
+        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), shapes)
+    return build_coordinator(plan_id, coordinator_region(shapes), shapes)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A plan as nodes to run: one cluster per engine node, a scheduler per instance and one coordinator."""
+"""A plan as nodes to run: one cluster per GPU node (an instance's first also runs its scheduler), one coordinator."""
 
 from __future__ import annotations
 
@@ -18,14 +18,17 @@ from coral_dagster.routing import instance_weight
 from coral_dagster.templates.engines import vllm_violations
 from coral_dagster.templates.types import Template
 
-Role = Literal["coordinator", "scheduler", "engine", "vllm"]
-# Roles whose clusters carry GPUs (planned and priced); the others are CPU VMs.
+Role = Literal["coordinator", "engine", "vllm"]
+# Roles whose clusters carry GPUs (planned and priced); the coordinator is the one CPU VM.
 GPU_ROLES: tuple[Role, ...] = ("engine", "vllm")
 COORDINATOR_SLOT = "coordinator"
 # One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
 CORAL_PORT = 5555
 # vLLM's torch.distributed port on an instance's head node (its --master-port), opened beside CORAL_PORT.
 VLLM_MASTER_PORT = 29501
+# A Coral-runtime head's engine port (sky_tasks/engine.yaml): its scheduler holds CORAL_PORT, the address the
+# other nodes are given, and its engine takes the next one.
+HEAD_ENGINE_PORT = CORAL_PORT + 1
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,8 @@ class NodeSpec:
     node: str = ""
     instance_type: str = ""
     use_spot: bool = False
-    usd_per_hour: float = 0.0
+    # $/h from the plan's price rows; None: the rows price no such node (the coordinator's CPU VM).
+    usd_per_hour: float | None = None
     envs: tuple[tuple[str, str], ...] = ()
     # Env name -> clusters whose addresses fill it at launch (launched before this node).
     wires: tuple[tuple[str, tuple[str, ...]], ...] = ()
@@ -101,11 +105,17 @@ class NodeSpec:
     def env(self) -> dict[str, str]:
         return dict(self.envs)
 
+    @property
+    def runs_scheduler(self) -> bool:
+        """An instance's head (stage 0, node 0) runs its scheduler beside its engine; no CPU VM of its own."""
+        return self.role in GPU_ROLES and self.stage == 0 and self.node_index == 0
+
 
 @dataclass(frozen=True)
 class InstanceSpec:
-    """One serving instance in launch order: its scheduler first (engines are given its address), then its
-    engines stage by stage. Engines register with the scheduler, which routes activations stage to stage."""
+    """One serving instance in launch order: its head first (stage 0, node 0, which also runs the scheduler;
+    the other nodes are given its address), then the rest stage by stage. Engines register with the
+    scheduler, which routes activations stage to stage."""
 
     instance_id: str
     slot: str
@@ -114,14 +124,6 @@ class InstanceSpec:
     plan_id: str
     index: int
     nodes: tuple[NodeSpec, ...]
-
-    @property
-    def engines(self) -> tuple[NodeSpec, ...]:
-        return tuple(n for n in self.nodes if n.role in GPU_ROLES)
-
-    @property
-    def is_vllm(self) -> bool:
-        return any(n.role == "vllm" for n in self.nodes)
 
 
 def _rate(price: NodePrice, use_spot: bool) -> float:
@@ -178,13 +180,28 @@ def _use_spot(inst: PlannedInstance) -> bool:
     return bool(getattr(inst, "use_spot", False))
 
 
+def _scheduler_envs(shape: InstanceShape, instance_id: str) -> dict[str, str]:
+    """What the instance's scheduler reads (its head node runs it), given to every node of the instance."""
+    t = shape.template
+    return {
+        "CORAL_INSTANCE": instance_id,
+        "CORAL_MODEL": t.model,
+        "CORAL_PHASE": t.phase,
+        "CORAL_SPLIT": t.pp_partition,
+        "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
+        "CORAL_REGION": shape.region,
+        "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
+    }
+
+
 def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int) -> InstanceSpec:
     """Name every node of one instance, price it, and give each its envs.
 
     A template vLLM can run (`templates/engines.py`) becomes one vLLM pipeline: a cluster per stage node, the
     head (rank 0) running the instance's scheduler and vLLM's serving engine, the others vLLM's headless workers
-    wired to the head's address; no scheduler VM. Any other template runs on Coral's runtime: a scheduler
-    cluster and one engine cluster per node (layers, stage, share, split).
+    wired to the head's address. Any other template runs on Coral's runtime: one engine cluster per node
+    (layers, stage, share, split), the head (stage 0, node 0) also running the scheduler the others are wired
+    to. Either way an instance is exactly its GPU nodes.
     """
     t = shape.template
     instance_id = f"{names.plan_tag(plan_id)}-i{index}"
@@ -196,18 +213,19 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
         return _vllm_instance(shape, replica, plan_id, index, instance_id, slot, common)
     stage_names = [[names.engine_name(plan_id, t.model, t.phase, index, s, k) for k in range(len(stage.nodes))]
                    for s, stage in enumerate(t.stages)]
-    sched = names.scheduler_name(plan_id, t.model, t.phase, index)
+    head = stage_names[0][0]
     engines = []
     for s, stage in enumerate(t.stages):
         for k, node in enumerate(stage.nodes):
             price = shape.price_of(node)
+            is_head = stage_names[s][k] == head
             envs = {
+                **_scheduler_envs(shape, instance_id),
                 "CORAL_NODE": stage_names[s][k],
-                "CORAL_MODEL": t.model,
+                "CORAL_HEAD": "1" if is_head else "0",
                 "CORAL_LAYERS": f"{stage.start}:{stage.end}",
                 "CORAL_STAGE_RANK": str(s),
                 "CORAL_SHARE": f"{stage.shares[k]:.6g}",
-                "CORAL_SPLIT": t.pp_partition,
                 "CORAL_TP": str(node.count),
                 "CORAL_ENGINE": "torch",
                 "VLLM_PP_LAYER_PARTITION": t.pp_partition,
@@ -215,18 +233,8 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
             engines.append(NodeSpec(cluster_name=stage_names[s][k], role="engine", stage=s, node_index=k,
                                     node=str(node), instance_type=price.instance_type,
                                     usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
-                                    wires=(("CORAL_SCHEDULER", (sched,)),), **common))
-    sched_envs = {
-        "CORAL_INSTANCE": instance_id,
-        "CORAL_MODEL": t.model,
-        "CORAL_PHASE": t.phase,
-        "CORAL_SPLIT": t.pp_partition,
-        "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
-        "CORAL_REGION": shape.region,
-        "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
-    }
-    scheduler = NodeSpec(cluster_name=sched, role="scheduler", envs=tuple(sorted(sched_envs.items())), **common)
-    return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, (scheduler, *engines))
+                                    wires=() if is_head else (("CORAL_SCHEDULER", (head,)),), **common))
+    return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(engines))
 
 
 def _vllm_instance(shape: InstanceShape, replica: int, plan_id: str, index: int, instance_id: str, slot: str,
@@ -239,18 +247,12 @@ def _vllm_instance(shape: InstanceShape, replica: int, plan_id: str, index: int,
         node = stage.nodes[0]
         price = shape.price_of(node)
         envs = {
+            **_scheduler_envs(shape, instance_id),
             "CORAL_NODE": cluster_names[rank],
-            "CORAL_INSTANCE": instance_id,
-            "CORAL_MODEL": t.model,
-            "CORAL_PHASE": t.phase,
             "CORAL_LAYERS": f"0:{t.stages[-1].end}",
-            "CORAL_SPLIT": t.pp_partition,
             "CORAL_TP": str(node.count),
             "CORAL_NODE_RANK": str(rank),
             "CORAL_VLLM_PORT": str(VLLM_MASTER_PORT),
-            "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
-            "CORAL_REGION": shape.region,
-            "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
             "VLLM_PP_LAYER_PARTITION": t.pp_partition,
         }
         nodes.append(NodeSpec(cluster_name=cluster_names[rank], role="vllm", stage=rank, node_index=0,
@@ -268,9 +270,22 @@ def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
     return min(nodes, key=lambda r: (-nodes[r], r))
 
 
-def build_coordinator(plan_id: str, region: str, models: tuple[str, ...] = ()) -> NodeSpec:
-    """The deployment's one coordinator (request router and drain point); it lists `models` before they register."""
+def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = ()) -> NodeSpec:
+    """The deployment's one coordinator (request router and drain point), a CPU VM the price rows do not price;
+    it lists the models of `shapes` before their instances register."""
     name = names.coordinator_name(plan_id)
-    envs = {"CORAL_MODEL": " ".join(models)}
+    envs = {"CORAL_MODEL": " ".join(sorted({s.template.model for s in shapes}))}
     return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
                     plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))
+
+
+def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame) -> tuple[NodeSpec, ...]:
+    """Every cluster of the plan deployed from nothing, in launch order: the coordinator, then each instance."""
+    shapes = instance_shapes(plan, prices)
+    if not shapes:
+        return ()
+    nodes = [build_coordinator(plan_id, coordinator_region(shapes), shapes)]
+    replicas = [(shape, r) for shape in shapes for r in range(shape.count)]
+    for index, (shape, replica) in enumerate(replicas):
+        nodes += build_instance(shape, replica, plan_id, index).nodes
+    return tuple(nodes)

@@ -118,7 +118,8 @@ def finish_run(con: duckdb.DuckDBPyConnection, run_id: str, status: str, *, laun
 
 
 def summarize(nodes: pd.DataFrame, runs: pd.DataFrame) -> dict:
-    """The deployment at a glance: live plan(s), node counts by status and role, $/h of the GPU nodes up."""
+    """The deployment at a glance: live plan(s), node counts by status and role, $/h of the GPU nodes up and the
+    clusters up without a price (the coordinator's CPU VM)."""
     live = nodes[nodes.status.isin([*ACTIVE, "draining"])]
     up = nodes[nodes.status == "launched"]
     last = runs.iloc[-1] if len(runs) else None
@@ -127,7 +128,8 @@ def summarize(nodes: pd.DataFrame, runs: pd.DataFrame) -> dict:
         "instances": int(live[live.role != "coordinator"].instance_id.nunique()),
         "nodes_by_status": {str(k): int(v) for k, v in nodes.status.value_counts().sort_index().items()},
         "live_nodes_by_role": {str(k): int(v) for k, v in live.role.value_counts().sort_index().items()},
-        "gpu_usd_per_hour": float(up.usd_per_hour.fillna(0).sum()),
+        "gpu_usd_per_hour": float(up[up.role != "coordinator"].usd_per_hour.sum()),
+        "unpriced_clusters": sorted(up[up.usd_per_hour.isna()].cluster_name),
         "last_run": None if last is None else {
             "run_id": str(last.run_id), "plan_id": str(last.plan_id), "status": str(last.status),
             "started_at": str(last.started_at), "finished_at": str(last.finished_at),

@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, VLLM_MASTER_PORT, NodeSpec
+from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, HEAD_ENGINE_PORT, VLLM_MASTER_PORT, NodeSpec
 from coral_dagster.errors import CatalogError, CoralError
 
 SKY_TASKS_DIR = paths.REPO_ROOT / "sky_tasks"
@@ -26,12 +26,15 @@ def _read_role_yaml(role: str) -> str:
 
 
 def role_template(role: str) -> dict[str, Any]:
-    """The checked-in task of a role (`engine`, `scheduler`, `coordinator`), as a fresh dict."""
+    """The checked-in task of a role (`engine`, `vllm`, `coordinator`), as a fresh dict."""
     doc = yaml.safe_load(_read_role_yaml(role))
     path = SKY_TASKS_DIR / f"{role}.yaml"
     for key in ("envs", "secrets", "resources", "run"):
         if not doc.get(key):
             raise CatalogError(path, "-", key, "missing", f"give the task a {key} section")
+    if not isinstance(doc["resources"].get("disk_size"), int):
+        raise CatalogError(path, "-", "resources.disk_size", "missing or not a whole number of GB",
+                           "state the disk of every cluster, e.g. disk_size: 256")
     if any(v is not None for v in doc["secrets"].values()):
         raise CatalogError(path, "-", "secrets", "a secret has a value written in the file",
                            "leave every secret null; SkyPilot takes the value at launch")
@@ -43,13 +46,28 @@ def secret_names(role: str) -> tuple[str, ...]:
     return tuple(sorted(role_template(role)["secrets"]))
 
 
+def disk_gb(role: str) -> int:
+    """The disk every cluster of a role gets (`resources.disk_size` of its task)."""
+    return role_template(role)["resources"]["disk_size"]
+
+
 def wiring(node: NodeSpec, coordinator_cluster: str | None) -> dict[str, tuple[str, ...]]:
-    """Env name -> clusters whose addresses fill it: the instance's scheduler for engines, and the coordinator
-    for every role whose task declares CORAL_COORDINATOR (schedulers)."""
+    """Env name -> clusters whose addresses fill it: the node's own wires (its instance's head), and the
+    coordinator for the node that runs the instance's scheduler."""
     wires = dict(node.wires)
-    if coordinator_cluster and "CORAL_COORDINATOR" in role_template(node.role)["envs"]:
+    if coordinator_cluster and node.runs_scheduler:
         wires["CORAL_COORDINATOR"] = (coordinator_cluster,)
     return wires
+
+
+def ports(node: NodeSpec) -> int | list[int]:
+    """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes) or the engine's own
+    beside the scheduler's (a Coral-runtime head)."""
+    if node.role == "vllm":
+        return [CORAL_PORT, VLLM_MASTER_PORT]
+    if node.role == "engine" and node.runs_scheduler:
+        return [CORAL_PORT, HEAD_ENGINE_PORT]
+    return CORAL_PORT
 
 
 def wired_envs(node: NodeSpec, coordinator_cluster: str | None, addresses: Mapping[str, str], *,
@@ -82,8 +100,7 @@ def task_config(node: NodeSpec, wired: Mapping[str, str] | None = None) -> dict[
     cfg = copy.deepcopy(role_template(node.role))
     cfg["name"] = node.cluster_name
     resources = dict(cfg["resources"])
-    resources.update(cloud=node.cloud, region=node.cloud_region,
-                     ports=[CORAL_PORT, VLLM_MASTER_PORT] if node.role == "vllm" else CORAL_PORT)
+    resources.update(cloud=node.cloud, region=node.cloud_region, ports=ports(node))
     if node.role in GPU_ROLES:
         resources.update(accelerators=node.node, instance_type=node.instance_type, use_spot=node.use_spot)
     cfg["resources"] = resources
