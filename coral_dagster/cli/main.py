@@ -63,3 +63,7 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+if __name__ == "__main__":
+    main()
