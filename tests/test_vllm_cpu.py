@@ -168,7 +168,7 @@ def _names(pids: set[int]) -> set[str]:
     names = set()
     for pid in pids:
         try:
-            names.add(Path(f"/proc/{pid}/comm").read_text().strip())
+            names.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip())
         except OSError:
             pass
     return names
