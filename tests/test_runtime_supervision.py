@@ -9,7 +9,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -17,23 +16,12 @@ from coral_dagster import paths
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, free_port, local_instances
-from runtime_procs import descendants, gone, pgid, read_pids, start_helpers, wait_for
+from runtime_procs import descendants, gone, kill_all, pgid, read_pids, start_helpers, wait_for
 
 pytest.importorskip("torch")
 
 MODEL = "tiny-llama"
 FAST = Timing(heartbeat_s=0.2, dead_after_s=1.5, request_timeout_s=20.0)
-
-
-_wait = wait_for
-
-
-def _kill_all(pids) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def test_children_die_with_a_killed_serve_local(tmp_path):
@@ -53,13 +41,13 @@ def test_children_die_with_a_killed_serve_local(tmp_path):
         assert [pgid(p) for p in pids] == pids
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        _wait(lambda: all(gone(p) for p in pids), 20, "children still running after their parent was killed")
+        wait_for(lambda: all(gone(p) for p in pids), 20, "children still running after their parent was killed")
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             proc.kill()
-        _kill_all(pids)
+        kill_all(pids)
 
 
 def test_a_killed_node_takes_the_processes_it_started_with_it(tmp_path):
@@ -73,10 +61,10 @@ def test_a_killed_node_takes_the_processes_it_started_with_it(tmp_path):
         node = dep.procs["node"].pid
         assert set(helpers.values()) <= descendants(node)
         os.kill(node, signal.SIGKILL)
-        _wait(lambda: all(gone(p) for p in helpers.values()), 20, "the node's helpers still running after it died")
+        wait_for(lambda: all(gone(p) for p in helpers.values()), 20, "the node's helpers still running after it died")
     finally:
         dep.stop()
-        _kill_all(helpers.values())
+        kill_all(helpers.values())
 
 
 def test_a_failing_role_logs_why_and_leaves_nothing_behind(tmp_path):
@@ -89,11 +77,11 @@ def test_a_failing_role_logs_why_and_leaves_nothing_behind(tmp_path):
         helpers = read_pids(tmp_path / "pids")
         dep.procs["node"].join(timeout=20)
         assert dep.procs["node"].exitcode == 1
-        _wait(lambda: all(gone(p) for p in helpers.values()), 20, "the failed role's helpers still running")
+        wait_for(lambda: all(gone(p) for p in helpers.values()), 20, "the failed role's helpers still running")
         assert "RuntimeError: the role failed after starting its helpers" in (tmp_path / "node.log").read_text()
     finally:
         dep.stop()
-        _kill_all(helpers.values())
+        kill_all(helpers.values())
 
 
 SUPERVISOR = """
@@ -121,11 +109,11 @@ def test_a_node_and_its_helpers_die_with_a_killed_supervisor(tmp_path):
         assert not any(gone(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        _wait(lambda: all(gone(p) for p in pids), 20, "the node or its helpers still running after the supervisor died")
+        wait_for(lambda: all(gone(p) for p in pids), 20, "the node or its helpers still running after the supervisor died")
     finally:
         if proc.poll() is None:
             proc.kill()
-        _kill_all(pids)
+        kill_all(pids)
 
 
 def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
@@ -142,8 +130,8 @@ def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
             def state() -> str | None:
                 return next((i["state"] for i in c.status()["instances"] if i["instance"] == "agg-0"), None)
 
-            _wait(lambda: state() == "unhealthy", 10, "the killed engine's instance was not marked unhealthy")
-            _wait(lambda: state() == "ready", 30, "the instance did not come back after its engine was restarted")
+            wait_for(lambda: state() == "unhealthy", 10, "the killed engine's instance was not marked unhealthy")
+            wait_for(lambda: state() == "ready", 30, "the instance did not come back after its engine was restarted")
             assert dep.restarts == {victim: 1} and dep.procs[victim].pid != old_pid and dep.alive(victim)
             before = {i["instance"]: i["served"] for i in c.status()["instances"]}
             done = c.complete(MODEL, ["back again"] * 4, max_tokens=6, ignore_eos=True)

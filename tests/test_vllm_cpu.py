@@ -25,7 +25,7 @@ import pytest
 from coral_dagster import paths
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import free_port
-from runtime_procs import descendants, gone, wait_for
+from runtime_procs import descendants, gone, kill_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -197,11 +197,7 @@ def test_vllm_processes_die_with_their_node_and_with_serve_local(node_env, tmp_p
     finally:
         if proc.poll() is None:
             _stop(proc)
-        for pid in recorded:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(recorded)
 
 
 def test_vllm_kv_cache_matches_the_memory_model(node_env):
