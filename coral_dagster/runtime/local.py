@@ -269,6 +269,7 @@ class LocalDeployment:
 
     def kill(self, name: str) -> None:
         """SIGKILL one process and its group, as a machine failure would."""
+        self.procs[name].kill()
         groups.kill_group(self.procs[name].pid)
         self.procs[name].join(timeout=10)
 
@@ -283,6 +284,8 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout_s
         for p in self.procs.values():
             p.join(timeout=max(0.1, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
             groups.kill_group(p.pid)
             p.join(timeout=5)
 
