@@ -24,6 +24,7 @@ import pytest
 
 from coral_dagster import paths
 from coral_dagster.runtime.generate import generate
+from coral_dagster.runtime.groups import kill_group
 from coral_dagster.runtime.local import free_port
 from runtime_procs import descendants, gone, kill_all, wait_for
 
@@ -66,13 +67,19 @@ def node_env() -> dict[str, str]:
 
 def _node_python(env: dict[str, str], code: str, timeout: float = 600):
     """Run `code` in the node environment; the JSON it prints on a line starting `RESULT ` (vLLM logs too)."""
-    # Output goes to files, not pipes: vLLM's helper processes may outlive the script holding its stdout.
+    # Output goes to files, not pipes: vLLM's helper processes may outlive the script holding its stdout. The
+    # script leads its own process group, killed afterwards with whatever vLLM left in it.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        done = subprocess.run([str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-c", code], env=env, cwd=ROOT,
-                              stdout=out, stderr=err, text=True, timeout=timeout)
+        proc = subprocess.Popen([str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-c", code], env=env, cwd=ROOT,
+                                stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
-    assert done.returncode == 0, stderr[-4000:]
+    assert proc.returncode == 0, stderr[-4000:]
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, stdout[-2000:]
     return json.loads(lines[-1][len("RESULT "):])
