@@ -1,4 +1,5 @@
-"""Import boundaries: domain code is free of Dagster and SkyPilot; the GPU-node runtime of Dagster, PuLP, DuckDB."""
+"""Import boundaries: domain code is free of Dagster and SkyPilot; the GPU-node runtime of Dagster, PuLP, DuckDB
+and of the command line."""
 
 from __future__ import annotations
 
@@ -37,21 +38,34 @@ def test_domain_code_imports_neither_dagster_nor_sky():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def test_runtime_imports_neither_dagster_pulp_nor_duckdb():
-    """The runtime, and every coral module it imports (transitively), stays free of the planner's stack."""
-    banned = {"dagster", "pulp", "duckdb"}
-    seen: set[Path] = set()
+def _runtime_imports() -> dict[str, set[str]]:
+    """Every module name imported by the runtime and by each coral module it imports (transitively), per file."""
+    seen: dict[str, set[str]] = {}
     todo = list((PKG / "runtime").rglob("*.py"))
-    offenders: dict[str, list[str]] = {}
     while todo:
         path = todo.pop()
-        if path in seen:
+        key = str(path.relative_to(ROOT))
+        if key in seen:
             continue
-        seen.add(path)
-        for name in _imports(path):
-            if _top(name) in banned:
-                offenders.setdefault(str(path.relative_to(ROOT)), []).append(name)
+        seen[key] = _imports(path)
+        for name in seen[key]:
             if _top(name) == "coral_dagster":
                 target = ROOT.joinpath(*name.split("."))
                 todo += [p for p in (target.with_suffix(".py"), target / "__init__.py") if p.exists()]
-    assert offenders == {}
+    return seen
+
+
+def test_runtime_imports_neither_dagster_pulp_nor_duckdb():
+    """The runtime, and every coral module it imports (transitively), stays free of the planner's stack."""
+    banned = {"dagster", "pulp", "duckdb"}
+    offenders = {k: sorted(n for n in names if _top(n) in banned) for k, names in _runtime_imports().items()}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_runtime_never_imports_the_command_line():
+    """What runs on a node is the runtime's own code: `coral_dagster.cli` calls the runtime, never the reverse."""
+    reached = _runtime_imports()
+    assert "coral_dagster/runtime/local.py" in reached and "coral_dagster/runtime/roles.py" in reached
+    offenders = {k: sorted(n for n in names if n == "coral_dagster.cli" or n.startswith("coral_dagster.cli."))
+                 for k, names in reached.items()}
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -9,34 +9,19 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
+from coral_dagster import paths
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, free_port, local_instances
+from runtime_procs import descendants, gone, kill_all, pgid, read_pids, start_helpers, wait_for
 
 pytest.importorskip("torch")
 
 MODEL = "tiny-llama"
 FAST = Timing(heartbeat_s=0.2, dead_after_s=1.5, request_timeout_s=20.0)
-
-
-def _gone(pid: int) -> bool:
-    """True once `pid` no longer runs (absent, or a zombie waiting for init to reap it)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
-
-
-def _wait(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what} within {timeout_s} s"
-        time.sleep(0.1)
 
 
 def test_children_die_with_a_killed_serve_local(tmp_path):
@@ -51,20 +36,84 @@ def test_children_die_with_a_killed_serve_local(tmp_path):
         assert ready, "serve local never became ready"
         info = json.loads(proc.stdout.readline())
         pids = list(info["pids"].values())
-        assert len(pids) == 4 and not any(_gone(p) for p in pids)
+        assert len(pids) == 4 and not any(gone(p) for p in pids)
+        # Each leads its own process group, which takes along whatever the process starts.
+        assert [pgid(p) for p in pids] == pids
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        _wait(lambda: all(_gone(p) for p in pids), 20, "children still running after their parent was killed")
+        wait_for(lambda: all(gone(p) for p in pids), 20, "children still running after their parent was killed")
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
             proc.kill()
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(pids)
+
+
+def test_a_killed_node_takes_the_processes_it_started_with_it(tmp_path):
+    """kill -9 of a node that started helpers (as vLLM's head starts its engine core and workers): none survives."""
+    dep = LocalDeployment(MODEL, [], log_dir=tmp_path)
+    helpers: dict[str, int] = {}
+    try:
+        dep.spawn("node", start_helpers, {"pid_file": str(tmp_path / "pids")}, own_children=True)
+        dep.supervise()
+        helpers = read_pids(tmp_path / "pids")
+        node = dep.procs["node"].pid
+        assert set(helpers.values()) <= descendants(node)
+        os.kill(node, signal.SIGKILL)
+        wait_for(lambda: all(gone(p) for p in helpers.values()), 20, "the node's helpers still running after it died")
+    finally:
+        dep.stop()
+        kill_all(helpers.values())
+
+
+def test_a_failing_role_logs_why_and_leaves_nothing_behind(tmp_path):
+    """A role that raises after starting a non-daemon child exits at once with its traceback in its log, instead of
+    waiting silently for that child (how a vLLM head used to vanish), and its helpers die with it."""
+    dep = LocalDeployment(MODEL, [], log_dir=tmp_path, restart=False)
+    helpers: dict[str, int] = {}
+    try:
+        dep.spawn("node", start_helpers, {"pid_file": str(tmp_path / "pids"), "then_raise": True}, own_children=True)
+        helpers = read_pids(tmp_path / "pids")
+        dep.procs["node"].join(timeout=20)
+        assert dep.procs["node"].exitcode == 1
+        wait_for(lambda: all(gone(p) for p in helpers.values()), 20, "the failed role's helpers still running")
+        assert "RuntimeError: the role failed after starting its helpers" in (tmp_path / "node.log").read_text()
+    finally:
+        dep.stop()
+        kill_all(helpers.values())
+
+
+SUPERVISOR = """
+import json, sys, time
+from coral_dagster.runtime.local import LocalDeployment
+from runtime_procs import start_helpers
+if __name__ == "__main__":
+    dep = LocalDeployment("tiny-llama", [], log_dir=sys.argv[1])
+    dep.spawn("node", start_helpers, {"pid_file": sys.argv[1] + "/pids"}, own_children=True)
+    dep.supervise()
+    print(json.dumps({"node": dep.procs["node"].pid}), flush=True)
+    time.sleep(3600)
+"""
+
+
+def test_a_node_and_its_helpers_die_with_a_killed_supervisor(tmp_path):
+    """kill -9 of the supervising process: the node's parent-death watch takes its whole group down."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(paths.REPO_ROOT), str(paths.REPO_ROOT / "tests")])}
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISOR, str(tmp_path)], stdout=subprocess.PIPE, env=env)
+    pids: list[int] = []
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "the supervisor never started its node"
+        pids = [json.loads(proc.stdout.readline())["node"], *read_pids(tmp_path / "pids").values()]
+        assert not any(gone(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_for(lambda: all(gone(p) for p in pids), 20, "the node or its helpers still running after the supervisor died")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        kill_all(pids)
 
 
 def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
@@ -81,8 +130,8 @@ def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
             def state() -> str | None:
                 return next((i["state"] for i in c.status()["instances"] if i["instance"] == "agg-0"), None)
 
-            _wait(lambda: state() == "unhealthy", 10, "the killed engine's instance was not marked unhealthy")
-            _wait(lambda: state() == "ready", 30, "the instance did not come back after its engine was restarted")
+            wait_for(lambda: state() == "unhealthy", 10, "the killed engine's instance was not marked unhealthy")
+            wait_for(lambda: state() == "ready", 30, "the instance did not come back after its engine was restarted")
             assert dep.restarts == {victim: 1} and dep.procs[victim].pid != old_pid and dep.alive(victim)
             before = {i["instance"]: i["served"] for i in c.status()["instances"]}
             done = c.complete(MODEL, ["back again"] * 4, max_tokens=6, ignore_eos=True)

@@ -24,7 +24,9 @@ import pytest
 
 from coral_dagster import paths
 from coral_dagster.runtime.generate import generate
+from coral_dagster.runtime.groups import kill_group
 from coral_dagster.runtime.local import free_port
+from runtime_procs import descendants, gone, kill_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -65,13 +67,19 @@ def node_env() -> dict[str, str]:
 
 def _node_python(env: dict[str, str], code: str, timeout: float = 600):
     """Run `code` in the node environment; the JSON it prints on a line starting `RESULT ` (vLLM logs too)."""
-    # Output goes to files, not pipes: vLLM's helper processes may outlive the script holding its stdout.
+    # Output goes to files, not pipes: vLLM's helper processes may outlive the script holding its stdout. The
+    # script leads its own process group, killed afterwards with whatever vLLM left in it.
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        done = subprocess.run([str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-c", code], env=env, cwd=ROOT,
-                              stdout=out, stderr=err, text=True, timeout=timeout)
+        proc = subprocess.Popen([str(Path(env["VIRTUAL_ENV"]) / "bin" / "python"), "-c", code], env=env, cwd=ROOT,
+                                stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            kill_group(proc.pid)
+            proc.wait()
         out.seek(0), err.seek(0)
         stdout, stderr = out.read(), err.read()
-    assert done.returncode == 0, stderr[-4000:]
+    assert proc.returncode == 0, stderr[-4000:]
     lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, stdout[-2000:]
     return json.loads(lines[-1][len("RESULT "):])
@@ -123,22 +131,27 @@ def _stream(url: str, body: dict) -> list[int]:
     return tokens
 
 
-@pytest.mark.xfail(reason="since the hardening merge (authenticated sockets, per-request validation, supervised "
-                          "children) the vLLM head's engine node leaves its loop without a message when the first "
-                          "requests arrive; passes on the vllm branch alone (7d3baf1). Open: see the closing note.",
-                   strict=False)
+def _serve_local_vllm(env: dict[str, str], log_dir: Path, port: int) -> tuple[subprocess.Popen, dict]:
+    """`coral serve local --engine vllm` with one instance, and its ready line."""
+    proc = subprocess.Popen(
+        [str(Path(env["VIRTUAL_ENV"]) / "bin" / "coral"), "serve", "local", "--engine", "vllm", "--model",
+         "tiny-llama", "--instances", "1", "--port", str(port), "--json", "--ready-timeout-s", "400", "--api-key", API_KEY,
+         "--log-dir", str(log_dir), "--vllm-args", " ".join(SMALL)],
+        env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    ready = json.loads(proc.stdout.readline() or "{}")
+    if not ready.get("ready"):
+        _stop(proc)
+        pytest.fail(f"serve local did not start: {ready}; " + "".join(
+            f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in log_dir.glob("*.log")))
+    return proc, ready
+
+
 def test_coral_serve_local_with_vllm_matches_the_torch_engine(node_env, tmp_path):
     """Greedy completions through the OpenAI front door, streamed and not, several at once (vLLM batches them),
     equal the torch engine's on the same float32 weights, token for token."""
     port = free_port()
-    proc = subprocess.Popen(
-        [str(Path(node_env["VIRTUAL_ENV"]) / "bin" / "coral"), "serve", "local", "--engine", "vllm", "--model",
-         "tiny-llama", "--instances", "1", "--port", str(port), "--json", "--ready-timeout-s", "400", "--api-key", API_KEY,
-         "--log-dir", str(tmp_path), "--vllm-args", " ".join(SMALL)],
-        env=node_env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    proc, _ = _serve_local_vllm(node_env, tmp_path, port)
     try:
-        ready = json.loads(proc.stdout.readline() or "{}")
-        assert ready.get("ready"), (ready, list(tmp_path.glob("*.log")))
         url = f"http://127.0.0.1:{port}/v1/completions"
         prompts = ["Hello, Coral", "The quick brown fox", "a", "mixed GPUs, one pipeline"]
         expected = [generate("tiny-llama", p, 16, ignore_eos=True).tokens for p in prompts]
@@ -155,6 +168,43 @@ def test_coral_serve_local_with_vllm_matches_the_torch_engine(node_env, tmp_path
         assert with_eos["choices"][0]["finish_reason"] == stop.finish_reason
     finally:
         _stop(proc)
+
+
+def _names(pids: set[int]) -> set[str]:
+    """Process names (vLLM titles its own: VLLM::EngineCore, VLLM::Worker) of those still running."""
+    names = set()
+    for pid in pids:
+        try:
+            names.add(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode().strip())
+        except OSError:
+            pass
+    return names
+
+
+def test_vllm_processes_die_with_their_node_and_with_serve_local(node_env, tmp_path):
+    """kill -9 of the vLLM head's engine node takes vLLM's engine core and workers with it (and the supervisor
+    starts a new head); kill -9 of `serve local` then takes every process below it, the new head's included."""
+    proc, ready = _serve_local_vllm(node_env, tmp_path, free_port())
+    recorded: set[int] = set()
+    try:
+        node = ready["pids"]["agg-0.vllm"]
+        helpers = descendants(node)
+        recorded |= helpers
+        assert {"VLLM::EngineCore", "VLLM::Worker"} <= _names(helpers), _names(helpers)
+        os.kill(node, signal.SIGKILL)
+        wait_for(lambda: all(gone(p) for p in helpers | {node}), 30, "vLLM's processes outlived their node")
+        # The restarted head starts its own engine core; then the whole deployment is killed at once.
+        wait_for(lambda: "VLLM::EngineCore" in _names(descendants(proc.pid)), 300,
+                 "the supervisor did not restart the vLLM head")
+        everything = descendants(proc.pid)
+        recorded |= everything
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        wait_for(lambda: all(gone(p) for p in everything), 30, "processes outlived a killed `serve local`")
+    finally:
+        if proc.poll() is None:
+            _stop(proc)
+        kill_all(recorded)
 
 
 def test_vllm_kv_cache_matches_the_memory_model(node_env):

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import logging
-import signal
 import socket
 import sys
 import threading
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from coral_dagster.cli.types import NON_NEGATIVE, POSITIVE, FiniteFloat
 from coral_dagster.errors import CoralError
@@ -50,53 +49,44 @@ _insecure = _opt("--insecure", env="INSECURE", is_flag=True,
                  help="Allow non-loopback sockets without CURVE (trusted networks only).")
 
 
-def _keys():
-    from coral_dagster.runtime.security import CurveKeys
-
-    return CurveKeys.from_env()
-
-
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def _role_options(f):
+    """The flags every runtime process takes: --insecure, the timing knobs and --json."""
+    return _insecure(_timing_options(_json(f)))
 
 
-def _stop_on_signals(first: threading.Event, second: threading.Event | None = None) -> None:
-    """SIGTERM/SIGINT set `first`; a repeated signal sets `second` (e.g. drain, then stop)."""
-    def handler(signum: int, frame: Any) -> None:
-        (second if second is not None and first.is_set() else first).set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+def _endpoint(name: str, env: str, default: str, text: str):
+    return _opt(name, env=env, default=default, show_default=True, help=text)
 
 
-def _say(as_json: bool, data: dict[str, Any], text: str) -> None:
-    click.echo(json.dumps(data) if as_json else text)
-    sys.stdout.flush()
+# vLLM's launch settings: flags of `coral serve engine`, and what `serve local --vllm-args` may carry.
+_VLLM_FLAGS = [
+    ("--tp", "TP", dict(type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")),
+    ("--max-model-len", "MAX_MODEL_LEN", dict(type=int, default=4096, show_default=True,
+                                              help="vLLM: longest prompt + output.")),
+    ("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION", dict(
+        type=FiniteFloat(0.0, 1.0, low_open=True), default=0.9, show_default=True,
+        help="vLLM: share of GPU memory for weights, activations and KV cache.")),
+    ("--enforce-eager", "ENFORCE_EAGER", dict(is_flag=True, help="vLLM: no CUDA graphs or compilation.")),
+]
 
 
-def model_layers(model: str) -> int:
-    """Layers of a runtime model: a tiny decoder's, else the catalog model's."""
-    from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
-
-    if model.lower().startswith(TINY_PREFIX):
-        return decoder_config(model).n_layers
-    from coral_dagster.catalog.models import get_model
-
-    return get_model(model).n_layers
+def _vllm_options(f):
+    for name, env, kw in reversed(_VLLM_FLAGS):
+        f = _opt(name, env=env, **kw)(f)
+    return f
 
 
-def model_limits(model: str):
-    """Vocabulary and context of a runtime model (a catalog model's context is its engine's to check)."""
-    from coral_dagster.runtime.limits import ModelLimits
-    from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
+_VLLM_ARGS = _vllm_options(click.Command("--vllm-args", add_help_option=False))
 
-    if model.lower().startswith(TINY_PREFIX):
-        cfg = decoder_config(model)
-        return ModelLimits(cfg.vocab, cfg.max_context)
-    from coral_dagster.catalog.models import get_model
 
-    return ModelLimits(get_model(model).vocab)
+def _vllm_launch(text: str) -> dict[str, Any]:
+    """The VllmLaunch fields `serve local --vllm-args '…'` sets (only the flags given; defaults elsewhere)."""
+    try:
+        ctx = _VLLM_ARGS.make_context("--vllm-args", text.split())
+    except click.ClickException as exc:
+        raise CoralError(f"--vllm-args {text!r}: {exc.format_message()}",
+                         f"pass valid values of these flags only: {', '.join(n for n, _, _ in _VLLM_FLAGS)}") from None
+    return {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
 
 
 @click.group("serve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -109,8 +99,7 @@ def serve() -> None:
 
 
 @serve.command("coordinator")
-@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:5555", show_default=True,
-      help="ZeroMQ endpoint for schedulers and clients.")
+@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:5555", "ZeroMQ endpoint for schedulers and clients.")
 @_opt("--http-host", env="HTTP_HOST", default="127.0.0.1", show_default=True, help="Front door host.")
 @_opt("--http-port", env="HTTP_PORT", type=int, default=8000, show_default=True,
       help="Front door port (OpenAI-compatible); -1 disables it.")
@@ -120,26 +109,17 @@ def serve() -> None:
 @_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
 @_opt("--admit", env="ADMIT", default="",
       help="Requests/s admitted per model, 'model=rate,…' (a plan under scarcity); the rest get 429 with Retry-After.")
-@_insecure
-@_timing_options
-@_json
+@_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
                     api_key: str | None, admit: str, insecure: bool, as_json: bool, **kw: Any) -> None:
     """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
-    from coral_dagster.runtime.coordinator import Coordinator
+    from coral_dagster.runtime.roles import run_coordinator
 
-    _setup_logging()
-    cfg = CoordinatorConfig(listen=listen, http_host=http_host, http_port=None if http_port < 0 else http_port,
-                            models=models, max_retries=max_retries, api_key=api_key, timing=_timing(kw),
-                            admit_req_s=parse_admit(admit))
-    coord = Coordinator(cfg, keys=_keys(), insecure=insecure)
-    stop = threading.Event()
-    _stop_on_signals(stop)
-    http = f"http://{http_host}:{coord.http.port}" if coord.http else None
-    _say(as_json, {"role": "coordinator", "listen": coord.address, "http": http},
-         f"coordinator on {coord.address}" + (f", HTTP front door on {http}" if http else ""))
-    coord.run(stop)
+    run_coordinator(CoordinatorConfig(listen=listen, http_host=http_host,
+                                      http_port=None if http_port < 0 else http_port, models=models,
+                                      max_retries=max_retries, api_key=api_key, timing=_timing(kw),
+                                      admit_req_s=parse_admit(admit)), insecure, as_json)
 
 
 @serve.command("scheduler")
@@ -148,19 +128,15 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
 @_opt("--phase", env="PHASE", type=click.Choice(["aggregated", "prefill", "decode"]), default="aggregated",
       show_default=True, help="What the instance does.")
 @_opt("--split", env="SPLIT", required=True, help="Layers per stage, e.g. 3,5,4 (VLLM_PP_LAYER_PARTITION).")
-@_opt("--coordinator", env="COORDINATOR", default="tcp://127.0.0.1:5555", show_default=True,
-      help="The coordinator's ZeroMQ endpoint.")
-@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:5600", show_default=True,
-      help="ZeroMQ endpoint the engine nodes connect to.")
+@_endpoint("--coordinator", "COORDINATOR", "tcp://127.0.0.1:5555", "The coordinator's ZeroMQ endpoint.")
+@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:5600", "ZeroMQ endpoint the engine nodes connect to.")
 @_opt("--region", env="REGION", default="local", show_default=True,
       help="The instance's cloud region; the router keeps a request's prefill and decode in one region.")
 @_opt("--route-weight", env="ROUTE_WEIGHT", type=NON_NEGATIVE, default=0.0, show_default=True,
       help="The plan's routing weight of this instance (share of its model's demand); 0: weigh by --tokens-per-s.")
 @_opt("--tokens-per-s", env="TOKENS_PER_S", type=POSITIVE, default=1.0, show_default=True,
       help="The template's throughput; the router's weight for this instance.")
-@_insecure
-@_timing_options
-@_json
+@_role_options
 def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator: str, listen: str,
                   tokens_per_s: float, region: str, route_weight: float, insecure: bool, as_json: bool,
                   **kw: Any) -> None:
@@ -169,22 +145,12 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
     The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
     """
     from coral_dagster.runtime.config import SchedulerConfig, parse_split
-    from coral_dagster.runtime.scheduler import Scheduler
+    from coral_dagster.runtime.roles import model_layers, model_limits, run_scheduler
 
-    _setup_logging()
-    cfg = SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
-                          n_layers=model_layers(model), coordinator=coordinator, listen=listen,
-                          tokens_per_s=tokens_per_s, timing=_timing(kw), region=region,
-                          route_weight=route_weight, limits=model_limits(model))
-    sched = Scheduler(cfg, keys=_keys(), insecure=insecure)
-    stop = threading.Event()
-    drain = threading.Event()
-    _stop_on_signals(drain, stop)
-    threading.Thread(target=lambda: drain.wait() and sched.drain(), daemon=True).start()
-    _say(as_json, {"role": "scheduler", "instance": instance, "listen": sched.address},
-         f"scheduler {instance} on {sched.address}")
-    reason = sched.run(stop)
-    _say(as_json, {"role": "scheduler", "instance": instance, "exit": reason}, f"scheduler {instance}: {reason}")
+    run_scheduler(SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
+                                  n_layers=model_layers(model), coordinator=coordinator, listen=listen,
+                                  tokens_per_s=tokens_per_s, timing=_timing(kw), region=region,
+                                  route_weight=route_weight, limits=model_limits(model)), insecure, as_json)
 
 
 @serve.command("engine")
@@ -192,32 +158,22 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--model", env="MODEL", required=True, help="Model to load.")
 @_opt("--layers", env="LAYERS", required=True, help="Layer range start:end this node holds.")
 @_opt("--stage-rank", env="STAGE_RANK", type=int, required=True, help="Stage index in the instance.")
-@_opt("--scheduler", env="SCHEDULER", default="tcp://127.0.0.1:5600", show_default=True,
-      help="The instance scheduler's ZeroMQ endpoint.")
-@_opt("--listen", env="LISTEN", default="tcp://127.0.0.1:*", show_default=True,
-      help="ZeroMQ endpoint for activations and KV (port * = any free one).")
+@_endpoint("--scheduler", "SCHEDULER", "tcp://127.0.0.1:5600", "The instance scheduler's ZeroMQ endpoint.")
+@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:*", "ZeroMQ endpoint for activations and KV (port * = any free one).")
 @_opt("--advertise", env="ADVERTISE", default="", help="Address peers should use, if not the bound one.")
 @_opt("--share", env="SHARE", type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
       help="This node's share of its stage.")
 @_opt("--engine", "engine_kind", env="ENGINE", type=click.Choice(["torch", "vllm"]), default="torch",
       show_default=True, help="Engine behind the node.")
 @_opt("--split", env="SPLIT", default="", help="The instance's layer split (vLLM engine only).")
-@_opt("--tp", env="TP", type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")
 @_opt("--device", env="DEVICE", default=None, help="Torch device (default: cuda if present, else cpu).")
 @_opt("--node-rank", env="NODE_RANK", type=int, default=0, show_default=True,
       help="vLLM: this node's rank in the instance's pipeline; rank 0 serves, others run `vllm serve --headless`.")
-@_opt("--vllm-head", env="VLLM_HEAD", default="127.0.0.1", show_default=True,
-      help="vLLM: the head node's address (vLLM's --master-addr).")
+@_endpoint("--vllm-head", "VLLM_HEAD", "127.0.0.1", "vLLM: the head node's address (vLLM's --master-addr).")
 @_opt("--vllm-port", env="VLLM_PORT", type=int, default=29501, show_default=True,
       help="vLLM: the head's torch.distributed port (vLLM's --master-port).")
-@_opt("--max-model-len", env="MAX_MODEL_LEN", type=int, default=4096, show_default=True,
-      help="vLLM: longest prompt + output.")
-@_opt("--gpu-memory-utilization", env="GPU_MEMORY_UTILIZATION", type=FiniteFloat(0.0, 1.0, low_open=True), default=0.9, show_default=True,
-      help="vLLM: share of GPU memory for weights, activations and KV cache.")
-@_opt("--enforce-eager", env="ENFORCE_EAGER", is_flag=True, help="vLLM: no CUDA graphs or compilation.")
-@_insecure
-@_timing_options
-@_json
+@_vllm_options
+@_role_options
 def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, scheduler: str, listen: str,
                advertise: str, share: float, engine_kind: str, split: str, tp: int, device: str | None,
                node_rank: int, vllm_head: str, vllm_port: int, max_model_len: int, gpu_memory_utilization: float,
@@ -229,55 +185,20 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     headless worker (`vllm serve … --headless`).
     """
     from coral_dagster.runtime.config import NodeSettings, parse_layers, parse_split
-    from coral_dagster.runtime.engine import make_engine
-    from coral_dagster.runtime.node import EngineNode
+    from coral_dagster.runtime.roles import model_layers, run_engine, run_headless
 
-    _setup_logging()
     start, end = parse_layers(layers)
     split_t = parse_split(split) if split else ()
     launch = dict(tp=tp, master_addr=vllm_head, master_port=vllm_port, max_model_len=max_model_len,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
     if engine_kind == "vllm" and node_rank > 0:
-        _run_headless(model, split_t, node_rank, launch)
+        run_headless(model, split_t, node_rank, launch)
         return
     settings = NodeSettings(node=node or f"{socket.gethostname()}-s{stage_rank}", model=model, start=start, end=end,
                             n_layers=model_layers(model), stage=stage_rank, scheduler=scheduler, listen=listen,
                             advertise=advertise, share=share, engine=engine_kind, split=split_t, tp=tp,
                             timing=_timing(kw))
-    if engine_kind == "vllm":
-        from coral_dagster.runtime.vllm_engine import head_engine
-        from coral_dagster.runtime.vllm_node import VllmNode
-
-        engine, node_cls = head_engine(model, split_t, **launch), VllmNode
-    else:
-        engine, node_cls = make_engine(engine_kind, model, start, end, device=device), EngineNode
-    stop = threading.Event()
-    _stop_on_signals(stop)
-    n = node_cls(settings, engine, keys=_keys(), insecure=insecure)
-    _say(as_json, {"role": "engine", "node": settings.node, "data": n.address},
-         f"engine {settings.node} layers {start}:{end} on {n.address}")
-    reason = n.run(stop)
-    _say(as_json, {"role": "engine", "node": settings.node, "exit": reason}, f"engine {settings.node}: {reason}")
-    if n.rejected:
-        raise CoralError(f"node {settings.node} was rejected: {n.rejected}.",
-                         "start it with the model and layer range its instance expects")
-
-
-def _run_headless(model: str, split: tuple[int, ...], node_rank: int, launch: dict[str, Any]) -> None:
-    """Run `vllm serve … --headless` for pipeline rank `node_rank` in this process, until vLLM exits."""
-    import os
-
-    from coral_dagster.runtime.vllm_engine import VllmLaunch, run_serve_line, vllm_model
-
-    path, n_layers, _, dtype = vllm_model(model)
-    spec = VllmLaunch(path, split or (n_layers,), dtype=dtype, **launch)
-    argv = spec.argv(node_rank)
-    os.environ.update(spec.env())
-    click.echo(" ".join(argv), err=True)
-    try:
-        run_serve_line(argv)
-    except ImportError:
-        raise CoralError("vLLM is not installed on this node.", "run sky_tasks/setup_node.sh first") from None
+    run_engine(settings, device, launch if engine_kind == "vllm" else None, insecure, as_json)
 
 
 @serve.command("local")
@@ -300,8 +221,8 @@ def _run_headless(model: str, split: tuple[int, ...], node_rank: int, launch: di
               help="Restart a scheduler or engine that dies, with exponential back-off.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
 @click.option("--ready-timeout-s", type=POSITIVE, default=120.0, show_default=True, help="Start-up time limit.")
-@click.option("--vllm-args", default="", help="Extra `coral serve engine` flags for vLLM heads, e.g. "
-              "'--gpu-memory-utilization 0.05 --max-model-len 512'.")
+@click.option("--vllm-args", default="", help="vLLM heads' launch flags of `coral serve engine`, e.g. "
+              "'--gpu-memory-utilization 0.05 --max-model-len 512' (also --tp, --enforce-eager).")
 @_timing_options
 @_json
 def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, pd: bool, decode_split: str | None,
@@ -310,10 +231,12 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
     """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C.
 
     Every socket between them is CURVE-encrypted with keys generated for this run; the HTTP front door needs the
-    API key, which is printed as a file path (the key itself is never printed).
+    API key, which is printed as a file path (the key itself is never printed). Each process leads its own
+    process group, which dies with it and with this command.
     """
     from coral_dagster.runtime.config import parse_split
     from coral_dagster.runtime.local import LocalDeployment, local_instances
+    from coral_dagster.runtime.roles import model_layers, say, stop_on_signals
 
     if engine_kind == "vllm" and (pd or stage_nodes):
         raise CoralError("a vLLM instance runs aggregated with one node per stage.",
@@ -322,16 +245,16 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
     layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
                              parse_split(stage_nodes) if stage_nodes else ())
     dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), log_dir=log_dir,
-                          api_key=api_key, restart=restart, engine=engine_kind, vllm_args=tuple(vllm_args.split()))
+                          api_key=api_key, restart=restart, engine=engine_kind, vllm_launch=_vllm_launch(vllm_args))
     stop = threading.Event()
-    _stop_on_signals(stop)
+    stop_on_signals(stop)
     try:
         dep.start()
         dep.wait_ready(ready_timeout_s)
         info = dep.info()
-        _say(as_json, {"ready": True, **info},
-             f"serving {model} at {info['http']}/v1 ({len(layout)} instances; logs in {info['log_dir']}; "
-             f"API key in {info['api_key_file']})")
+        say(as_json, {"ready": True, **info},
+            f"serving {model} at {info['http']}/v1 ({len(layout)} instances; logs in {info['log_dir']}; "
+            f"API key in {info['api_key_file']})")
         while not stop.wait(0.5):
             if not dep.alive("coordinator"):
                 raise CoralError(f"the coordinator exited; logs in {info['log_dir']}.", "read coordinator.log")

@@ -7,24 +7,24 @@ import math
 import multiprocessing
 import os
 import secrets
-import select
-import signal
 import socket
 import sys
 import tempfile
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime import groups, roles
 from coral_dagster.runtime.client import Client
-from coral_dagster.runtime.config import Timing, stage_ranges
+from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing, stage_ranges
 from coral_dagster.runtime.security import CurveKeys
 
 log = logging.getLogger(__name__)
-ENV_API_KEY = "CORAL_API_KEY"
 
 
 @dataclass(frozen=True)
@@ -68,15 +68,9 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def timing_args(t: Timing) -> list[str]:
-    return ["--heartbeat-s", f"{t.heartbeat_s:g}", "--dead-after-s", f"{t.dead_after_s:g}",
-            "--request-timeout-s", f"{t.request_timeout_s:g}", "--kv-timeout-s", f"{t.kv_timeout_s:g}",
-            "--orphan-after-s", f"{t.orphan_after_s:g}"]
-
-
 # Children fork from a server that imported torch once, instead of each paying seconds of imports.
 _PRELOAD = ["torch", "coral_dagster.runtime.torch_engine", "coral_dagster.runtime.coordinator",
-            "coral_dagster.runtime.scheduler", "coral_dagster.runtime.node"]
+            "coral_dagster.runtime.scheduler", "coral_dagster.runtime.node", "coral_dagster.runtime.roles"]
 
 
 def _process_context() -> multiprocessing.context.BaseContext:
@@ -85,27 +79,15 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def die_with(pid: int) -> None:
-    """SIGKILL this process as soon as process `pid` exits, however it exits (a pidfd watched by a thread).
+def _child(target: Callable[..., None], kwargs: dict[str, Any], log_path: str, env: dict[str, str],
+           parent: int) -> None:
+    """Run `target(**kwargs)` (a role) in this process, logging to `log_path`: the body of every local process.
 
-    `serve local`'s children are forked by multiprocessing's fork server, which does not pass its parent's death
-    on; a parent-death signal would fire only when the fork server goes, so each child watches `serve local` itself.
+    The process leads its own group, so that whatever it starts dies with it; it ends by `os._exit`, because
+    multiprocessing's exit would first join children (vLLM's engine core) that wait for it, and then say nothing.
     """
-    try:
-        fd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        os._exit(1)
-
-    def watch() -> None:
-        select.select([fd], [], [])
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="coral-die-with-parent", daemon=True).start()
-
-
-def _child(argv: list[str], log_path: str, env: dict[str, str], parent: int) -> None:
-    """Run `coral serve <argv>` in this process, logging to `log_path` (the body of every local process)."""
-    die_with(parent)
+    groups.lead_group()
+    groups.die_with(parent)
     # Appended to, so that a restarted process's log follows the one it replaces.
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
@@ -113,22 +95,29 @@ def _child(argv: list[str], log_path: str, env: dict[str, str], parent: int) -> 
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
     os.environ.update(env)
-    from coral_dagster.cli.serve import serve
-
+    code = 0
     try:
-        serve.main(args=argv, prog_name="coral serve", standalone_mode=False)
+        target(**kwargs)
     except CoralError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        code = 2
+    except BaseException:  # noqa: BLE001 - whatever ends a role is logged before the process goes
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    groups.kill_own_group_but_me()
+    os._exit(code)
 
 
 @dataclass
 class LocalDeployment:
-    """Runs each role as `coral serve <role> …` in its own process; `stop()` ends all of them.
+    """Runs each role (`runtime/roles.py`) in its own process and process group; `stop()` ends all of them.
 
     Every socket is CURVE-encrypted with keys generated for this deployment, and the HTTP front door needs an API
-    key (generated unless given) written to `<log_dir>/api_key`. Once ready, a supervisor restarts any scheduler
-    or engine that exits with an error, after a back-off that doubles per restart up to `max_backoff_s`.
+    key (generated unless given) written to `<log_dir>/api_key`. A supervisor kills whatever an exited process
+    leaves in its group and, once ready, restarts any scheduler or engine that exits with an error, after a
+    back-off that doubles per restart up to `max_backoff_s`.
     """
 
     model: str
@@ -144,8 +133,8 @@ class LocalDeployment:
     max_backoff_s: float = 30.0
     # "vllm": each instance is one vLLM head (its split is vLLM's partition) behind a one-stage scheduler.
     engine: str = "torch"
-    # Extra `coral serve engine` flags for vLLM heads (memory share, context length, eager mode).
-    vllm_args: tuple[str, ...] = ()
+    # VllmLaunch fields for vLLM heads (memory share, context length, eager mode, tp).
+    vllm_launch: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
 
@@ -160,9 +149,9 @@ class LocalDeployment:
         fd = os.open(self.api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(self.api_key + "\n")
-        self._argv: dict[str, list[str]] = {}
-        self._own_children: dict[str, bool] = {}
+        self._roles: dict[str, tuple[Callable[..., None], dict[str, Any], bool]] = {}
         self._stopping = threading.Event()
+        self._ready = threading.Event()
         self._supervisor: threading.Thread | None = None
 
     @property
@@ -173,56 +162,56 @@ class LocalDeployment:
     def http_url(self) -> str:
         return f"http://{self.host}:{self.http_port}"
 
-    def _spawn(self, name: str, argv: list[str], own_children: bool = False) -> None:
-        """Start `coral serve <argv>`; `own_children` (vLLM, which starts its own processes) spawns a fresh
-        interpreter that may have children, instead of a daemon forked from the preloaded server."""
-        # Secrets travel in the environment, never on a command line that `ps` shows.
-        env = {"OMP_NUM_THREADS": "1", **self.keys.env(), ENV_API_KEY: self.api_key}
+    def spawn(self, name: str, target: Callable[..., None], kwargs: dict[str, Any],
+              own_children: bool = False) -> None:
+        """Start `target(**kwargs)` as process `name`, leading its own process group; `own_children` (vLLM, which
+        starts its own processes) spawns a fresh interpreter instead of forking from the preloaded server."""
+        # Keys travel in the environment (and the API key in the coordinator's config), never on a command line.
+        env = {"OMP_NUM_THREADS": "1", **self.keys.env()}
         log_path = self.log_dir / f"{name}.log"
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
         ctx = multiprocessing.get_context("spawn") if own_children else _process_context()
-        proc = ctx.Process(target=_child, args=(argv, str(log_path), env, os.getpid()), name=name,
+        proc = ctx.Process(target=_child, args=(target, kwargs, str(log_path), env, os.getpid()), name=name,
                            daemon=not own_children)
         proc.start()
         self.procs[name] = proc
-        self._argv[name] = argv
-        self._own_children[name] = own_children
+        self._roles[name] = (target, kwargs, own_children)
 
     def start(self) -> None:
-        """Launch the coordinator, then each instance's scheduler and engine nodes."""
-        t = timing_args(self.timing)
-        self._spawn("coordinator", ["coordinator", "--listen", self.coordinator, "--http-host", self.host,
-                                    "--http-port", str(self.http_port), "--model", self.model,
-                                    "--max-retries", str(self.max_retries), *t])
+        """Launch the coordinator, then each instance's scheduler and engine nodes, and supervise them."""
+        t, vllm = self.timing, self.engine == "vllm"
+        self.spawn("coordinator", roles.run_coordinator, {"cfg": CoordinatorConfig(
+            listen=self.coordinator, http_host=self.host, http_port=self.http_port, models=(self.model,),
+            max_retries=self.max_retries, api_key=self.api_key, timing=t)})
+        n_layers = roles.model_layers(self.model)
         for inst in self.instances:
             listen = f"tcp://{self.host}:{free_port(self.host)}"
-            split = ",".join(map(str, inst.split))
-            self._spawn(f"{inst.name}.scheduler", [
-                "scheduler", "--instance", inst.name, "--model", self.model, "--phase", inst.phase,
-                "--split", str(sum(inst.split)) if self.engine == "vllm" else split,
-                "--coordinator", self.coordinator, "--listen", listen, "--tokens-per-s", f"{inst.tokens_per_s:g}",
-                *t])
-            if self.engine == "vllm":
-                self._spawn(f"{inst.name}.vllm", ["engine", "--engine", "vllm", "--node", f"{inst.name}.vllm",
-                                                  "--model", self.model, "--layers", f"0:{sum(inst.split)}",
-                                                  "--split", split, "--stage-rank", "0", "--scheduler", listen,
-                                                  "--listen", f"tcp://{self.host}:*",
-                                                  "--vllm-port", str(free_port(self.host)), *self.vllm_args, *t],
-                            own_children=True)
+            self.spawn(f"{inst.name}.scheduler", roles.run_scheduler, {"cfg": SchedulerConfig(
+                instance=inst.name, model=self.model, phase=inst.phase, split=(n_layers,) if vllm else inst.split,
+                n_layers=n_layers, coordinator=self.coordinator, listen=listen, tokens_per_s=inst.tokens_per_s,
+                timing=t, limits=roles.model_limits(self.model))})
+            if vllm:
+                node = f"{inst.name}.vllm"
+                settings = NodeSettings(node=node, model=self.model, start=0, end=n_layers, n_layers=n_layers,
+                                        stage=0, scheduler=listen, listen=f"tcp://{self.host}:*", engine="vllm",
+                                        split=inst.split, tp=self.vllm_launch.get("tp", 1), timing=t)
+                launch = {"master_addr": self.host, "master_port": free_port(self.host), **self.vllm_launch}
+                self.spawn(node, roles.run_engine, {"settings": settings, "launch": launch}, own_children=True)
                 continue
             for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):
                 for k in range(count):
                     node = f"{inst.name}.s{stage}.n{k}"
-                    self._spawn(node, ["engine", "--node", node, "--model", self.model, "--layers", f"{start}:{end}",
-                                       "--stage-rank", str(stage), "--scheduler", listen,
-                                       "--listen", f"tcp://{self.host}:*", *t])
+                    self.spawn(node, roles.run_engine, {"settings": NodeSettings(
+                        node=node, model=self.model, start=start, end=end, n_layers=n_layers, stage=stage,
+                        scheduler=listen, listen=f"tcp://{self.host}:*", timing=t)})
+        self.supervise()
 
     def client(self, timeout_s: float = 60.0) -> Client:
         return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s)
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        """Block until every instance is registered and ready, then supervise; raises naming processes that died."""
+        """Block until every instance is registered and ready (restarts begin then); raises naming processes that died."""
         deadline = time.monotonic() + timeout_s
         with self.client(timeout_s=2.0) as c:
             while True:
@@ -236,18 +225,29 @@ class LocalDeployment:
                 except CoralError:
                     if time.monotonic() > deadline:
                         raise
-        if self.restart and self._supervisor is None:
-            self._supervisor = threading.Thread(target=self._supervise, name="coral-supervisor", daemon=True)
-            self._supervisor.start()
+        self._ready.set()
         return status
 
+    def supervise(self) -> None:
+        """Start the supervisor thread (once)."""
+        if self._supervisor is None:
+            self._supervisor = threading.Thread(target=self._supervise, name="coral-supervisor", daemon=True)
+            self._supervisor.start()
+
     def _supervise(self, poll_s: float = 0.1) -> None:
-        """Restart schedulers and engines that exit with an error (a clean exit, as after a drain, stays down)."""
+        """Kill what an exited process leaves in its group; once ready, restart schedulers and engines that exit
+        with an error (a clean exit, as after a drain, stays down) after the back-off."""
         due: dict[str, float] = {}
+        swept: set[int] = set()
         while not self._stopping.wait(poll_s):
             now = time.monotonic()
             for name, proc in list(self.procs.items()):
-                if name == "coordinator" or proc.exitcode in (None, 0):
+                if proc.exitcode is None:
+                    continue
+                if proc.pid not in swept:
+                    swept.add(proc.pid)
+                    groups.kill_group(proc.pid)
+                if name == "coordinator" or proc.exitcode == 0 or not (self.restart and self._ready.is_set()):
                     continue
                 if name not in due:
                     n = self.restarts.get(name, 0)
@@ -256,7 +256,8 @@ class LocalDeployment:
                 elif now >= due[name]:
                     del due[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
-                    self._spawn(name, self._argv[name], self._own_children[name])
+                    target, kwargs, own_children = self._roles[name]
+                    self.spawn(name, target, kwargs, own_children)
 
     def info(self) -> dict[str, Any]:
         return {"http": self.http_url, "coordinator": self.coordinator, "log_dir": str(self.log_dir),
@@ -267,12 +268,13 @@ class LocalDeployment:
         return self.procs[name].is_alive()
 
     def kill(self, name: str) -> None:
-        """SIGKILL one process, as a machine failure would."""
+        """SIGKILL one process and its group, as a machine failure would."""
         self.procs[name].kill()
+        groups.kill_group(self.procs[name].pid)
         self.procs[name].join(timeout=10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`."""
+        """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`, with its group."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
@@ -284,7 +286,8 @@ class LocalDeployment:
             p.join(timeout=max(0.1, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-                p.join(timeout=5)
+            groups.kill_group(p.pid)
+            p.join(timeout=5)
 
     def __enter__(self) -> LocalDeployment:
         try:

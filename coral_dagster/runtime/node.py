@@ -55,22 +55,11 @@ class EngineNode:
         self.ctl.linger = 0
         self.ctl.setsockopt(zmq.IDENTITY, settings.node.encode())
         self.security.connect(self.ctl, settings.scheduler)
-        self._peers: dict[str, zmq.Socket] = {}
         self._pending: dict[str, _Pending] = {}
         self._touched: dict[str, float] = {}
         self.welcomed = False
         self.rejected: str | None = None
         self.steps_run = 0
-
-    def _peer(self, address: str) -> zmq.Socket:
-        sock = self._peers.get(address)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.linger = 0
-            sock.sndhwm = 256
-            self.security.connect(sock, address)
-            self._peers[address] = sock
-        return sock
 
     def _to_scheduler(self, header: dict[str, Any]) -> None:
         wire.send(self.ctl, {**header, "node": self.s.node})
@@ -258,7 +247,7 @@ class EngineNode:
             return
         header = {"kind": "forward", "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
                   "handoff": h.get("handoff")}
-        if not wire.send(self._peer(route[stage]), header, [hidden]):
+        if not wire.send(self.security.push(route[stage]), header, [hidden]):
             self._error(step.rid, f"next stage at {route[stage]} is not accepting activations")
 
     def _hand_over(self, rid: str, handoff: list[list[Any]]) -> None:
@@ -268,13 +257,12 @@ class EngineNode:
             if lo >= hi:
                 continue
             arrays = self.engine.export_kv(rid, lo, hi)
-            if not wire.send(self._peer(address), {"kind": "kv", "rid": rid, "start": lo, "end": hi}, arrays):
+            if not wire.send(self.security.push(address), {"kind": "kv", "rid": rid, "start": lo, "end": hi}, arrays):
                 self._error(rid, f"decode node at {address} is not accepting the KV handoff")
 
     def close(self) -> None:
-        for sock in (*self._peers.values(), self.ctl, self.data):
+        for sock in (self.ctl, self.data):
             sock.close(linger=0)
-        self._peers.clear()
         self.security.close()
         if self._own_ctx:
             self.ctx.term()

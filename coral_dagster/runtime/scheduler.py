@@ -74,7 +74,6 @@ class Scheduler:
         self.nodes: dict[str, _Node] = {}
         self.requests: dict[str, _Request] = {}
         self._wrr = [WeightedRoundRobin() for _ in self.ranges]
-        self._pushes: dict[str, zmq.Socket] = {}
         self._drain = threading.Event()
         self.registered = False
         self.healthy = False
@@ -89,16 +88,6 @@ class Scheduler:
 
     def _to_node(self, node: str, header: dict[str, Any]) -> None:
         wire.send(self.engines, header, to=node.encode())
-
-    def _push(self, address: str) -> zmq.Socket:
-        sock = self._pushes.get(address)
-        if sock is None:
-            sock = self.ctx.socket(zmq.PUSH)
-            sock.linger = 0
-            sock.sndhwm = 256
-            self.security.connect(sock, address)
-            self._pushes[address] = sock
-        return sock
 
     def _stage_ready(self) -> list[bool]:
         return [any(n.stage == s for n in self.nodes.values()) for s in range(len(self.ranges))]
@@ -269,7 +258,7 @@ class Scheduler:
         header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff}
         if r.streamed:
             header["max_tokens"] = r.max_tokens
-        if not wire.send(self._push(r.route[0]), header, [np.asarray(tokens, dtype=np.int64)]):
+        if not wire.send(self.security.push(r.route[0]), header, [np.asarray(tokens, dtype=np.int64)]):
             self._fail(r.rid, f"first stage at {r.route[0]} is not accepting requests")
 
     def _from_coordinator(self, now: float) -> None:
@@ -348,12 +337,9 @@ class Scheduler:
             self._forward(r, [token])
 
     def close(self) -> None:
-        for sock in self._pushes.values():
-            sock.close(linger=0)
         # A short linger delivers the last `left` and `stop` messages.
         self.coord.close(linger=500)
         self.engines.close(linger=500)
-        self._pushes.clear()
         self.security.close()
         if self._own_ctx:
             self.ctx.term()

@@ -84,6 +84,7 @@ class Security:
     def __init__(self, ctx: zmq.Context, keys: CurveKeys | None, insecure: bool = False) -> None:
         self.ctx, self.keys, self.insecure = ctx, keys, insecure
         self._auth: ThreadAuthenticator | None = None
+        self._pushes: dict[str, zmq.Socket] = {}
 
     @property
     def enabled(self) -> bool:
@@ -125,7 +126,22 @@ class Security:
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
         sock.connect(endpoint)
 
+    def push(self, endpoint: str) -> zmq.Socket:
+        """The PUSH socket connected to `endpoint` (a stage's data socket), made on first use and kept until `close`."""
+        sock = self._pushes.get(endpoint)
+        if sock is None:
+            sock = self.ctx.socket(zmq.PUSH)
+            sock.linger = 0
+            sock.sndhwm = 256
+            self.connect(sock, endpoint)
+            self._pushes[endpoint] = sock
+        return sock
+
     def close(self) -> None:
+        """Close the PUSH sockets and stop the authenticator."""
+        for sock in self._pushes.values():
+            sock.close(linger=0)
+        self._pushes.clear()
         if self._auth is not None:
             self._auth.stop()
             self._auth = None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.engine import Engine, Step
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,13 @@ def run_serve_line(argv: Sequence[str]) -> None:
 class VllmEngine:
     """The head of a vLLM instance: requests go in once, then `step()` returns the tokens each one produced.
 
-    Duck-types the parts of `Engine` an engine node reads (`is_first`, `cache_length`, `free`); it does not run
-    Coral's per-step forwards, and it holds every layer (vLLM places the stages on the instance's nodes).
+    Duck-types the parts of `Engine` an engine node reads (`is_first`, `check_step`, `cache_length`, `free`); it
+    does not run Coral's per-step forwards, and it holds every layer (vLLM places the stages on the instance's nodes).
     """
 
     is_first = True
     is_last = True
+    check_step = Engine.check_step
 
     def __init__(self, launch: VllmLaunch, n_layers: int, vocab: int) -> None:
         if sum(launch.split) != n_layers:
@@ -114,6 +116,7 @@ class VllmEngine:
                              ) from None
         os.environ.update(launch.env())
         self.launch, self.start, self.end, self.n_layers, self.vocab = launch, 0, n_layers, n_layers, vocab
+        self.max_context = launch.max_model_len
         self.llm = LLMEngine.from_engine_args(engine_args(launch.argv(0)))
         self._length: dict[str, int] = {}
 
@@ -123,8 +126,9 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind
 
         tokens = [int(t) for t in np.asarray(prompt)]
-        if not tokens or not all(0 <= t < self.vocab for t in tokens):
-            raise ValueError(f"request {rid}: prompt token ids must lie in [0, {self.vocab})")
+        if not tokens:
+            raise ValueError(f"request {rid}: the prompt is empty")
+        self.check_step(Step(rid, 0, tokens=np.asarray(prompt)))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
         self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)
