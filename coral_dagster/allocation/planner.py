@@ -79,6 +79,7 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     timings: dict[str, float] = {}
     columns, report = prune_columns(problem, prune_dominated=prune)
     timings["prune_s"] = time.perf_counter() - start
+    start = time.perf_counter()  # `solve_s` is the solve alone; preparation and pruning are `prune_s`
     notes = [f"columns: {report.columns_before} (template, region) pairs -> {report.columns_after} after pruning "
              f"({report.not_sold} not sold, {report.no_demand} without demand, {report.dominated} dominated)"]
     missing = unserved_keys(problem, columns)
