@@ -123,7 +123,9 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
         status, scale = "fair-share", min(levels.values(), default=0.0)
     timings["scarcity_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s, gap_rel=gap_rel)
+    # The level solve's plan meets the targets: the cost solve starts from it (never dearer, prunes from the start).
+    cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s, gap_rel=gap_rel,
+                               start=witness)
     timings["solve_s"] = time.perf_counter() - t0
     values = cg.result.values
     if cg.result.status in ("infeasible", "no-solution"):
