@@ -74,7 +74,7 @@ def _fresh_replan(scn_name: str, db_path: str, time_limit_s: float, repeats: int
     scn = load_scenario(scn_name)
     store = Store(db_path)
     append_snapshot(store, scn.market())
-    store_demand(store, scn, scenario_rates(scn))
+    store_demand(store, scn, scenario_rates(scn), "uniform")
     env = {**os.environ, "CORAL_DB": db_path}
     walls, inner = [], []
     for _ in range(repeats):
@@ -121,12 +121,14 @@ def main() -> None:
     for name in args.scenarios.split(","):
         scn = load_scenario(name)
         limit = args.time_limit_s or TIME_LIMIT_S.get(name, 30.0)
-        loads = []
-        for _ in range(args.repeats):
-            templates, load_s = _load(scn, db_path)
-            loads.append(load_s)
-        doc["load_s"][name] = statistics.median(loads)
-        for setting in args.settings.split(","):
+        settings = [s for s in args.settings.split(",") if s]
+        if settings:
+            loads = []
+            for _ in range(args.repeats):
+                templates, load_s = _load(scn, db_path)
+                loads.append(load_s)
+            doc["load_s"][name] = statistics.median(loads)
+        for setting in settings:
             row = _row(scn, templates, setting, args.repeats, limit)
             row["load_s"] = doc["load_s"][name]
             doc["rows"].append(row)

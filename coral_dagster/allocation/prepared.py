@@ -3,8 +3,8 @@ only those.
 
 Under a snapshot a template can be a column only if no other template dominates it (`prune.dominated_ids`) and it
 fits at least one region (every node sold, enough of each available). Those template ids are stored in
-`prepared_templates` under a key of the library's stored content (every template id with its throughput, read
-back in SQL), the scenario's selection (its `library_key` and serving engine) and the snapshot id. A library whose
+`prepared_templates` under a key of the library's stored content (a digest of every template id with its
+throughput, computed in SQL), the scenario's selection (its `library_key` and serving engine) and the snapshot id. A library whose
 rows change, or a new snapshot, gets a new key: nothing stale is ever read. Demand is not in the key: templates of
 a model without demand are kept (the planner drops them per solve).
 """
@@ -31,9 +31,8 @@ def prepared_key(store, scenario: Scenario, snapshot_id: str) -> str | None:
     """The key of the scenario's stored library as it is now under one snapshot (None when none is stored)."""
     if TEMPLATES_TABLE not in store.tables() or "library_key" not in store.columns(TEMPLATES_TABLE):
         return None
-    row = store.query(f"""SELECT count(*) AS n,
-                                 md5(string_agg(template_id || '=' || CAST(tokens_per_s AS VARCHAR), ';'
-                                                ORDER BY template_id)) AS digest
+    # XOR of DuckDB's row hashes: order-free and a scan of two columns (an ordered md5 of 366k rows took 2.7 s)
+    row = store.query(f"""SELECT count(*) AS n, CAST(bit_xor(hash(template_id, tokens_per_s)) AS VARCHAR) AS digest
                           FROM {TEMPLATES_TABLE} WHERE library_key = ?""", [scenario.library_key]).iloc[0]
     if int(row["n"]) == 0:
         return None
