@@ -42,6 +42,7 @@ from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.store import Store
 rnd = plan_round(Store(sys.argv[1]), load_scenario(sys.argv[2]), "coral", time_limit_s=30)
 print(json.dumps({"templates": len(rnd.problem.templates), "plan_id": rnd.plan_id,
+                  "dominance_rule": rnd.plan.pruning["dominance_rule"],
                   "running": {f"{t}@{r}": n for (t, r), n in rnd.problem.running.items()}}))
 """
 
@@ -86,6 +87,7 @@ def test_a_fresh_process_replan_reads_the_stored_survivors_and_plans_as_the_whol
                          capture_output=True, text=True, check=True, timeout=300)
     fresh = json.loads(out.stdout.strip().splitlines()[-1])
     assert fresh["templates"] == stored  # the fresh process read only the survivors
+    assert fresh["dominance_rule"] == "stored"  # and did not search them for dominance again
     assert fresh["running"]  # and re-planned against the first plan
     # The same re-plan in this process, over the whole library.
     market = latest_snapshot(store, scn.name)

@@ -90,7 +90,11 @@ def planning_templates(store, scenario: Scenario, market: MarketSnapshot,
         return ()
     survivors = load_survivors(store, scenario, key, running)
     if survivors is not None:
-        return tuple(survivors)
+        survivors = tuple(survivors)
+        # Planning selects from this tuple and prepares the selection (both memoised by identity): prepare it now
+        # without the dominance search the stored survivors already passed.
+        prepare(scenario_templates(scenario, survivors), undominated=True)
+        return survivors
     library = tuple(load_library(store, scenario))
     store_survivors(store, key, survivor_ids(scenario, scenario_templates(scenario, library), market))
     return library

@@ -136,12 +136,15 @@ class Library:
 _LIBRARIES: Recent[Library] = Recent(8)
 
 
-def prepare(templates: tuple[Template, ...]) -> Library:
-    """The prepared library of a template tuple, remembered for the last few tuples (re-plans reuse one)."""
-    return _LIBRARIES.get(templates, lambda: prepare_uncached(templates))
+def prepare(templates: tuple[Template, ...], undominated: bool = False) -> Library:
+    """The prepared library of a template tuple, remembered for the last few tuples (re-plans reuse one).
+
+    `undominated`: the caller knows no template of the tuple needs pruning as dominated (the stored survivors of
+    `allocation.prepared`, plus running templates, which pruning keeps anyway), so dominance is not searched."""
+    return _LIBRARIES.get(templates, lambda: prepare_uncached(templates, undominated))
 
 
-def prepare_uncached(templates: tuple[Template, ...]) -> Library:
+def prepare_uncached(templates: tuple[Template, ...], undominated: bool = False) -> Library:
     """`prepare` without the memo: duplicates collapse to the best, dominance is found once."""
     unique: dict[tuple, Template] = {}
     for t in templates:
@@ -159,13 +162,13 @@ def prepare_uncached(templates: tuple[Template, ...]) -> Library:
     models = tuple(sorted({t.model for t in kept}))
     midx = {m: i for i, m in enumerate(models)}
     exhaustive = len(kept) <= EXHAUSTIVE_DOMINANCE_MAX
-    bad = dominated_ids(kept, exhaustive=exhaustive)
+    bad = set() if undominated else dominated_ids(kept, exhaustive=exhaustive)
     lib = Library(kept, ids, configs, use, models,
                   np.array([midx[t.model] for t in kept], dtype=np.int64),
                   np.array([PHASE_CODE[t.phase] for t in kept], dtype=np.int64),
                   np.array([t.tokens_per_s for t in kept], dtype=np.float64),
                   np.array([i in bad for i in ids], dtype=bool),
-                  "exhaustive" if exhaustive else "one-node-smaller")
+                  "stored" if undominated else "exhaustive" if exhaustive else "one-node-smaller")
     return lib
 
 
