@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -99,15 +100,18 @@ def test_a_fresh_process_replan_reads_the_stored_survivors_and_plans_as_the_whol
                                             again["count"].astype(int))) == _instances(whole)
 
 
-def test_a_changed_library_or_a_new_snapshot_gets_a_new_key(tiny):
+def test_a_changed_library_or_other_availability_gets_a_new_key_and_new_prices_do_not(tiny):
     store, scn = tiny
     market = latest_snapshot(store, scn.name)
-    key = prepared_key(store, scn, market.snapshot_id)
-    assert key != prepared_key(store, scn, market.snapshot_id + "-next")
+    key = prepared_key(store, scn, market)
+    assert key == prepared_key(store, scn, scn.market(prices=None))  # a later snapshot, same offers
+    assert key != prepared_key(store, scn, scn.market(availability_scale=2.0))
+    dearer = replace(market, offers=tuple(replace(o, usd_per_hour=2 * o.usd_per_hour) for o in market.offers))
+    assert key == prepared_key(store, scn, dearer)
     library = load_library(store, scn)
     store_library(store, library[1:], scn)
     try:
-        assert prepared_key(store, scn, market.snapshot_id) != key
+        assert prepared_key(store, scn, market) != key
     finally:
         store_library(store, library, scn)
-    assert prepared_key(store, scn, market.snapshot_id) == key
+    assert prepared_key(store, scn, market) == key

@@ -1,12 +1,13 @@
-"""The prepared library in DuckDB: the templates pruning keeps under a market snapshot, so a fresh process reads
-only those.
+"""The prepared library in DuckDB: the templates pruning keeps under a market's availability, so a fresh process
+reads only those.
 
-Under a snapshot a template can be a column only if no other template dominates it (`prune.dominated_ids`) and it
-fits at least one region (every node sold, enough of each available). Those template ids are stored in
-`prepared_templates` under a key of the library's stored content (a digest of every template id with its
-throughput, computed in SQL), the scenario's selection (its `library_key` and serving engine) and the snapshot id. A library whose
-rows change, or a new snapshot, gets a new key: nothing stale is ever read. Demand is not in the key: templates of
-a model without demand are kept (the planner drops them per solve).
+A template can be a column only if no other template dominates it (`prune.dominated_ids`) and it fits at least
+one region (every node sold, enough of each available). Those template ids are stored in `prepared_templates`
+under a key of the library's stored content (a digest of every template id with its throughput, computed in SQL),
+the scenario's selection (its `library_key` and serving engine) and the snapshot's availability per (region,
+configuration). A library whose rows change, or other availability, gets a new key: nothing stale is ever read.
+Prices and demand are not in the key: neither decides whether a template fits (the planner drops templates of a
+model without demand per solve).
 """
 
 from __future__ import annotations
@@ -27,8 +28,16 @@ from coral_dagster.templates.types import Template
 PREPARED_TABLE = "prepared_templates"
 
 
-def prepared_key(store, scenario: Scenario, snapshot_id: str) -> str | None:
-    """The key of the scenario's stored library as it is now under one snapshot (None when none is stored)."""
+def availability_digest(scenario: Scenario, market: MarketSnapshot) -> str:
+    """What of a snapshot decides which templates fit: the nodes available per (region, configuration) of the
+    scenario (prices do not; a later snapshot with the same availability shares the survivors)."""
+    _, avail = offers_from_market(market, scenario.node_configs, scenario.regions)
+    return hashlib.sha256(repr(sorted((r, str(n), k) for (r, n), k in avail.items())).encode()).hexdigest()[:16]
+
+
+def prepared_key(store, scenario: Scenario, market: MarketSnapshot) -> str | None:
+    """The key of the scenario's stored library as it is now under the snapshot's availability (None when no
+    library is stored)."""
     if TEMPLATES_TABLE not in store.tables() or "library_key" not in store.columns(TEMPLATES_TABLE):
         return None
     # XOR of DuckDB's row hashes: order-free and a scan of two columns (an ordered md5 of 366k rows took 2.7 s)
@@ -36,7 +45,8 @@ def prepared_key(store, scenario: Scenario, snapshot_id: str) -> str | None:
                           FROM {TEMPLATES_TABLE} WHERE library_key = ?""", [scenario.library_key]).iloc[0]
     if int(row["n"]) == 0:
         return None
-    own = f"{scenario.library_key}|{scenario.engine}|{snapshot_id}|{int(row['n'])}|{row['digest']}"
+    own = f"{scenario.library_key}|{scenario.engine}|{availability_digest(scenario, market)}|{int(row['n'])}|" \
+          f"{row['digest']}"
     return hashlib.sha256(own.encode()).hexdigest()[:24]
 
 
@@ -85,7 +95,7 @@ def planning_templates(store, scenario: Scenario, market: MarketSnapshot,
     from coral_dagster.allocation.inputs import scenario_templates
     from coral_dagster.templates.library import load_library
 
-    key = prepared_key(store, scenario, market.snapshot_id)
+    key = prepared_key(store, scenario, market)
     if key is None:
         return ()
     survivors = load_survivors(store, scenario, key, running)
