@@ -387,8 +387,9 @@ def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column]
 
 def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
                    targets: Mapping[DemandKey, float] | None = None, *, time_limit_s: float = 30.0,
-                   gap_rel: float = 1e-4) -> MinCostSolve:
-    """`ilp.min_cost` over all columns, exactly, touching few of them (see the module docstring)."""
+                   gap_rel: float = 1e-4, start: Sequence[float] | None = None) -> MinCostSolve:
+    """`ilp.min_cost` over all columns, exactly, touching few of them (see the module docstring). `start` (counts
+    per column meeting the targets) is every ILP's first incumbent: its columns are in every ILP."""
     deadline = time.perf_counter() + time_limit_s
     n = len(columns)
     if n <= DIRECT_MAX:
@@ -396,19 +397,20 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
         if lp.status != "optimal":
             return _infeasible(lp.status, n)
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
-                           gap_rel=gap_rel)
+                           gap_rel=gap_rel, start=start)
         return MinCostSolve(mip, "optimal", lp.objective, n, 1, n, math.inf)
     d = _data(problem, columns)
     keys, a_dem = _demand_matrix(problem, d)
     labels = group_labels(a_dem, keys)
     n_groups = len(set(labels.tolist()))
     split_deadline = min(deadline, time.perf_counter() + DECOMPOSED_SHARE * time_limit_s)
-    done = _solve(problem, columns, d, targets, split_deadline, gap_rel, labels, n_groups)
+    start_values = np.asarray(start, dtype=float) if start is not None else None
+    done = _solve(problem, columns, d, targets, split_deadline, gap_rel, labels, n_groups, start=start_values)
     if isinstance(done, MinCostSolve) and (done.result.status in ("optimal", "infeasible")
                                            or time.perf_counter() >= deadline):
         return done
     whole = _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups,
-                   done if isinstance(done, _SplitBound) else None)
+                   done if isinstance(done, _SplitBound) else None, start=start_values)
     if isinstance(done, MinCostSolve) and done.result.status == "feasible-time-limit" and (
             whole.result.status in ("infeasible", "no-solution") or done.result.objective < whole.result.objective):
         return done  # the decomposed plan fits availability and the whole ILP found nothing cheaper in time
@@ -417,9 +419,11 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
 
 def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
            gap_rel: float, split: np.ndarray | None, n_groups: int,
-           split_bound: _SplitBound | None = None) -> MinCostSolve | _SplitBound | None:
+           split_bound: _SplitBound | None = None, start: np.ndarray | None = None
+           ) -> MinCostSolve | _SplitBound | None:
     """LP, a first plan, reduced-cost fixing, the ILP. With `split` (decomposed), what it proves (or None) when
-    the group optima do not fit availability together; `split_bound` is that proof, used by the whole ILP."""
+    the group optima do not fit availability together; `split_bound` is that proof, used by the whole ILP.
+    `start`: counts per column, the first incumbent of every ILP (its columns join every ILP)."""
     n = len(columns)
     labels = np.maximum(split, 0) if split is not None else np.zeros(n, dtype=np.int64)
     n_labels = int(labels.max()) + 1 if n else 1
@@ -433,11 +437,12 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     z_lp = float(lp.objective)
     if reduced is None:  # settled on the full LP: no reduced costs to fix by
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
-                           gap_rel=gap_rel, split=split.tolist() if split is not None else None)
+                           gap_rel=gap_rel, split=split.tolist() if split is not None else None,
+                           start=start.tolist() if start is not None else None)
         return _finish(problem, columns, d, mip, list(range(n)), z_lp, lp_values, n, rounds, math.inf, split,
                        n_groups, targets, deadline)
     running = {int(j) for j in np.nonzero(d.running > 0)[0]}
-    first = set(subset) | running
+    first = set(subset) | running | (set(np.nonzero(start > 0)[0].tolist()) if start is not None else set())
     # A first plan from the columns the LP touched and each group's FIRST_PER_GROUP smallest reduced costs.
     sorted_reduced = [np.sort(reduced[labels == g]) for g in range(n_labels)]
     theta = np.array([r[min(FIRST_PER_GROUP, len(r)) - 1] if len(r) else 0.0 for r in sorted_reduced])
@@ -455,7 +460,8 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         keep = sorted(first | extra | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
                            time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
-                           split=split[keep].tolist() if split is not None else None)
+                           split=split[keep].tolist() if split is not None else None,
+                           start=start[keep].tolist() if start is not None else None)
         if mip.status in ("infeasible", "no-solution"):
             if best is not None or len(keep) == n or mip.status == "no-solution" or time.perf_counter() >= deadline:
                 break

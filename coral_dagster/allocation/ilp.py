@@ -94,9 +94,9 @@ def churn_factor(problem: AllocationProblem) -> float:
     return problem.churn_k if any(n > 0 for n in problem.running.values()) else 0.0
 
 
-def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float):
-    """HiGHS handed a starting solution (`start`: variable -> value; others start at 0); plain HiGHS without
-    highspy's API.
+def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bool = False):
+    """HiGHS handed a starting solution (`start`: variable -> value; others start at 0, or with `partial` are
+    left for HiGHS to complete); plain HiGHS without highspy's API.
 
     Presolve is off: HiGHS 1.16 with presolve on and a user solution reports it as optimal, objective 0,
     without searching (seen on a 36-column allocation ILP; presolve off finds the true optimum).
@@ -110,7 +110,7 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float):
         def callSolver(self, lp):
             import numpy as np
 
-            variables = lp.variables()
+            variables = [v for v in lp.variables() if v in start] if partial else lp.variables()
             index = np.array([v.index for v in variables], dtype=np.int32)
             value = np.array([float(start.get(v, 0.0)) for v in variables])
             lp.solverModel.setOptionValue("presolve", "off")
@@ -177,11 +177,15 @@ def _row(prob, rows: dict, key: tuple, constraint) -> None:
 
 
 def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
-         rows: Mapping[tuple, object] | None = None) -> SolveResult:
-    """Solve and read status, values, objective and bound the same way for every variant."""
+         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None) -> SolveResult:
+    """Solve and read status, values, objective and bound the same way for every variant; `start_values` (one per
+    column) is handed to HiGHS as a first incumbent."""
     pulp = _pulp()
     start = time.perf_counter()
-    slv = solver(time_limit_s, gap_rel, mip)
+    if start_values is not None and mip:
+        slv = warm_solver(dict(zip(columns_vars, start_values)), time_limit_s, gap_rel, partial=True)
+    else:
+        slv = solver(time_limit_s, gap_rel, mip)
     prob.solve(slv)
     solve_s = time.perf_counter() - start
     status, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
@@ -201,9 +205,11 @@ def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
 def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Mapping[DemandKey, float] | None = None,
              *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
              overflow_weight: float | None = None, slack_usd: float | None = None,
-             split: Sequence[int] | None = None) -> SolveResult:
+             split: Sequence[int] | None = None, start: Sequence[float] | None = None) -> SolveResult:
     """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m.
 
+    `start` (counts per column meeting the targets, e.g. the level solve's plan under scarcity) is the solver's
+    first incumbent: it never returns a plan dearer than that, and prunes by its cost from the start.
     With `split` (a group label per column), C1 is written once per group: each group may use all of the
     availability, which relaxes C1 into independent problems per group (see `colgen`).
     With `overflow_weight`, C1 becomes elastic (diagnosis only): extra nodes `over_r(c)` may be bought at
@@ -257,7 +263,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
         _row(prob, rows, ("churn", i), pulp.LpConstraint(
             pulp.LpAffineExpression([(var, 1.0), (nu[i], -c.usd_per_hour * k)]), pulp.LpConstraintGE, None,
             -c.running * c.usd_per_hour * k))
-    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, start)
     extra = {**over, **short}
     if extra and result.status not in ("infeasible", "no-solution"):
         result = replace(result, overflow={key: float(v.varValue or 0.0) for key, v in extra.items()})

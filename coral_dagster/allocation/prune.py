@@ -136,12 +136,15 @@ class Library:
 _LIBRARIES: Recent[Library] = Recent(8)
 
 
-def prepare(templates: tuple[Template, ...]) -> Library:
-    """The prepared library of a template tuple, remembered for the last few tuples (re-plans reuse one)."""
-    return _LIBRARIES.get(templates, lambda: _prepare(templates))
+def prepare(templates: tuple[Template, ...], undominated: bool = False) -> Library:
+    """The prepared library of a template tuple, remembered for the last few tuples (re-plans reuse one).
+
+    `undominated`: the caller knows no template of the tuple needs pruning as dominated (the stored survivors of
+    `allocation.prepared`, plus running templates, which pruning keeps anyway), so dominance is not searched."""
+    return _LIBRARIES.get(templates, lambda: prepare_uncached(templates, undominated))
 
 
-def _prepare(templates: tuple[Template, ...]) -> Library:
+def prepare_uncached(templates: tuple[Template, ...], undominated: bool = False) -> Library:
     """`prepare` without the memo: duplicates collapse to the best, dominance is found once."""
     unique: dict[tuple, Template] = {}
     for t in templates:
@@ -159,13 +162,13 @@ def _prepare(templates: tuple[Template, ...]) -> Library:
     models = tuple(sorted({t.model for t in kept}))
     midx = {m: i for i, m in enumerate(models)}
     exhaustive = len(kept) <= EXHAUSTIVE_DOMINANCE_MAX
-    bad = dominated_ids(kept, exhaustive=exhaustive)
+    bad = set() if undominated else dominated_ids(kept, exhaustive=exhaustive)
     lib = Library(kept, ids, configs, use, models,
                   np.array([midx[t.model] for t in kept], dtype=np.int64),
                   np.array([PHASE_CODE[t.phase] for t in kept], dtype=np.int64),
                   np.array([t.tokens_per_s for t in kept], dtype=np.float64),
                   np.array([i in bad for i in ids], dtype=bool),
-                  "exhaustive" if exhaustive else "one-node-smaller")
+                  "stored" if undominated else "exhaustive" if exhaustive else "one-node-smaller")
     return lib
 
 
@@ -180,6 +183,18 @@ def demanded_mask(problem: AllocationProblem, lib: Library) -> np.ndarray:
     if not len(lib.templates):
         return np.zeros(0, dtype=bool)
     return wanted[lib.model_idx, lib.phase_code]
+
+
+def region_caps(lib: Library, usd_per_hour, available_nodes, region: str) -> tuple[np.ndarray, np.ndarray]:
+    """Per library row in `region`: p_r(τ) and the most instances availability allows (0: a node is not sold, or
+    too few of it)."""
+    sold = np.array([(region, c) in usd_per_hour for c in lib.configs], dtype=bool)
+    price = np.array([usd_per_hour.get((region, c), 0.0) for c in lib.configs])
+    avail = np.array([available_nodes.get((region, c), 0) if sold[i] else 0 for i, c in enumerate(lib.configs)],
+                     dtype=np.int64)
+    caps = np.where(lib.use > 0, avail[None, :] // np.maximum(lib.use, 1), np.iinfo(np.int64).max)
+    cap = caps.min(axis=1) if lib.configs else np.zeros(len(lib.templates), dtype=np.int64)
+    return lib.use @ price, cap
 
 
 def prune_columns(problem: AllocationProblem, *, prune_dominated: bool = True) -> tuple[list[Column], PruneReport]:
@@ -203,18 +218,12 @@ def prune_columns(problem: AllocationProblem, *, prune_dominated: bool = True) -
     not_sold = no_demand = n_dominated = 0
     per_region = []
     for region in problem.regions:
-        sold = np.array([(region, c) in problem.usd_per_hour for c in lib.configs], dtype=bool)
-        price = np.array([problem.usd_per_hour.get((region, c), 0.0) for c in lib.configs])
-        avail = np.array([problem.available_nodes.get((region, c), 0) if sold[i] else 0
-                          for i, c in enumerate(lib.configs)], dtype=np.int64)
-        caps = np.where(lib.use > 0, avail[None, :] // np.maximum(lib.use, 1), np.iinfo(np.int64).max)
-        cap = caps.min(axis=1) if lib.configs else np.zeros(n, dtype=np.int64)
+        cost, cap = region_caps(lib, problem.usd_per_hour, problem.available_nodes, region)
         fits = cap > 0
         keep = fits & useful & ~drop
         not_sold += int((~fits).sum())
         no_demand += int((fits & ~useful).sum())
         n_dominated += int((fits & useful & drop).sum())
-        cost = lib.use @ price
         for i in np.nonzero(keep)[0]:
             columns.append(Column(lib.templates[i], region, float(cost[i]), int(cap[i]),
                                   running.get((lib.ids[i], region), 0), int(i)))

@@ -11,6 +11,7 @@ import pandas as pd
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.planner import with_admission
+from coral_dagster.allocation.prepared import planning_templates
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.app.plans import find_plan
@@ -75,14 +76,17 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
     more capacity for models that fall short (`app.closed_loop`). A plan that serves less than the demand admits
     per model only the request rate it serves (`admit_req_s`). The plan is written in one transaction; a failure
     writes nothing."""
-    templates = load_library(store, scenario)
+    running = find_plan(store, scenario, method)
+    demand_id, rates = latest_demand(store, scenario)
+    snapshot = latest_snapshot(store, scenario)
+    # Coral reads only what pruning keeps under the snapshot, stored once (`allocation.prepared`); the baselines
+    # read the whole library.
+    templates = (planning_templates(store, scenario, snapshot, [k[0] for k in running.counts()] if running else ())
+                 if method == "coral" else load_library(store, scenario))
     if not templates:
         raise CoralError(f"no templates of scenario {scenario.name} are stored in {store.path}.",
                          "materialize `template_library` (every model partition) or run "
                          f"`coral templates build --scenario {scenario.name}`.")
-    demand_id, rates = latest_demand(store, scenario)
-    running = find_plan(store, scenario, method)
-    snapshot = latest_snapshot(store, scenario)
 
     def make(boost):
         problem = scenario_problem(scenario, templates, snapshot, rates=rates,
