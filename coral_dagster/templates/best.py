@@ -51,10 +51,12 @@ def make_template(tables: ThroughputTables, nodes: NodeMultiset, placement: Plac
     bottleneck, bottleneck_value = None, np.inf
     for group, layers in zip(placement.groups, placement.layers):
         members = tuple(c for c, k in zip(configs, group) for _ in range(k))
-        values = [tables.point(placement.n_stages, c, layers).tokens_per_s for c in members]
+        points = [tables.point(placement.n_stages, c, layers) for c in members]
+        values = [p.tokens_per_s for p in points]
         total = sum(values)
         shares = tuple(v / total for v in values) if total > 0 else tuple(1.0 / len(members) for _ in members)
-        stage = Stage(start, start + layers, members, shares)
+        batches = tuple(p.batch for p in points) if tables.workload.phase == "prefill" else ()
+        stage = Stage(start, start + layers, members, shares, batches)
         stages.append(stage)
         if total < bottleneck_value:
             bottleneck, bottleneck_value = stage, total
