@@ -302,7 +302,6 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
     max_layers = {c: _max_layers(perf, spec, c, n_layers, workload.max_context_tokens) for c in configs}
     tokens, points = {}, {}
     for s in range(1, max_stages + 1):
-        budget = workload.slo_ms * workload.slo_margin / s
         rows = []
         for c in configs:
             send = send_gbps(c, s, workload.link_gbps)
@@ -312,16 +311,15 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
                     row.append(Point(0.0, 0, 0.0, "memory"))
                 elif workload.phase == "aggregated":
                     row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
+                elif workload.phase == "prefill":
+                    row.append(_prefill_point(perf, spec, c, workload, j, s, send))
                 else:
-                    ctx = workload.prompt_tokens if workload.phase == "prefill" else workload.decode_context_tokens
-                    step = _decode_step_budget(workload, spec, c, j, s) if workload.phase == "decode" else budget
+                    step = _decode_step_budget(workload, spec, c, j, s)
                     if step <= 0:
                         row.append(Point(0.0, 0, 0.0, "network"))
                         continue
-                    if workload.phase == "prefill":
-                        row.append(_prefill_point(perf, spec, c, workload, j, s, send))
-                        continue
-                    p = perf.t_hat(spec, c, workload.phase, j, step, ctx, send, resident_batches=s)
+                    p = perf.t_hat(spec, c, "decode", j, step, workload.decode_context_tokens, send,
+                                   resident_batches=s)
                     row.append(_decode_point(perf, spec, c, workload, j, s, send, p))
             rows.append(tuple(row))
         points[s] = tuple(rows)
