@@ -32,7 +32,7 @@ CORE_FIELDS = ["name", "description", "regions", "gpus", "gpus_per_node", "link_
                "models.0.model", "models.0.prefill_slo_ms", "models.0.decode_slo_ms", "models.0.trace",
                "models.0.rate_req_s", "models.1.rate_req_s", "availability", "availability.default_nodes",
                "availability.nodes", "templates", "templates.n_max", "templates.rho", "templates.slo_margin",
-               "templates.prefill_utilisation", "allocation", "allocation.headroom",
+               "allocation", "allocation.headroom",
                "allocation.replan_interval_min", "allocation.node_startup_min", "extra_key", "models.0.extra"]
 # Fields a plan reads but templates do not: a change keeps SMALL's library key, so no example rebuilds it.
 PLAN_FIELDS = ["models.0.rate_req_s", "allocation.headroom", "availability.default_nodes", "regions",
@@ -70,7 +70,7 @@ def _check_valid(s: sc.Scenario) -> None:
     assert s.models and s.regions and s.node_configs
     for m in s.models:
         assert 0 < m.prefill_slo_ms <= sc.MAX_SLO_MS and 0 < m.decode_slo_ms <= sc.MAX_SLO_MS
-        assert 0 < m.rate_req_s <= sc.MAX_RATE_REQ_S and 0 < m.slo_margin <= 1 and 0 < m.prefill_utilisation <= 1
+        assert 0 < m.rate_req_s <= sc.MAX_RATE_REQ_S and 0 < m.slo_margin <= 1
     assert 1 <= s.n_max <= sc.MAX_N_MAX and 1 <= s.rho <= sc.MAX_RHO and 1 <= s.headroom <= sc.MAX_HEADROOM
     assert 0 < s.replan_interval_min <= sc.MAX_MINUTES and 0 <= s.node_startup_min <= sc.MAX_MINUTES
     assert s.link_gbps is None or 0 < s.link_gbps <= sc.MAX_LINK_GBPS

@@ -24,7 +24,7 @@ SCENARIO_SUFFIXES = (".yaml", ".yml")
 TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "link_gbps", "models", "engine",
                       "availability", "templates", "allocation"})
 MODEL_KEYS = frozenset({"model", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
-TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "prefill_utilisation"})
+TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin"})
 AVAILABILITY_KEYS = frozenset({"default_nodes", "nodes"})
 ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
 # Bounds of the scenario format: wide enough for any real setting, tight enough that a typo cannot make a plan
@@ -52,7 +52,6 @@ class ScenarioModel:
     trace: str
     rate_req_s: float
     slo_margin: float = 1.0
-    prefill_utilisation: float = 1.0
     attainment_target: float = 0.95  # share of requests meeting both SLOs the plan is sized for
 
 
@@ -84,7 +83,7 @@ class Scenario:
         stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
         settings = {
             "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
-                              m.prefill_utilisation] for m in self.models),
+                              m.attainment_target] for m in self.models),
             "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
             "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
         }
@@ -210,8 +209,7 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     node_configs = tuple(NodeConfig(g, c) for g in gpus for c in counts)
     catalog = model_catalog()
     tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
-    margins = {k: _number(tpl, k, path, "templates", 1.0, 0.0, 1.0, low_open=True)
-               for k in ("slo_margin", "prefill_utilisation")}
+    margins = {"slo_margin": _number(tpl, "slo_margin", path, "templates", 1.0, 0.0, 1.0, low_open=True)}
     rows = rows_of(doc, "models", path)
     if not rows:
         raise CatalogError(path, "-", "models", "the list is empty", "list at least one model (see core.yaml)")

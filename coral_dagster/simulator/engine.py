@@ -63,8 +63,9 @@ class SimConfig:
 
     prefill_chunk_tokens: int | None = None
     """Tokens one iteration may prefill on a node (vLLM `max_num_batched_tokens`; decode tokens count too).
-    None: per node, the smallest batch reaching `prefill_efficiency` of the best tokens/s any batch within the
-    stage's share of the template's SLO reaches (the T̂ batch): near T̂'s throughput at a fraction of its latency."""
+    None: per node, the batch its template planned (`Stage.batches`), else the smallest batch reaching
+    `prefill_efficiency` of the best tokens/s any batch within the stage's share of the template's SLO reaches (the
+    T̂ batch): near T̂'s throughput at a fraction of its latency."""
     prefill_efficiency: float = 0.95
     """With automatic chunks: the share of the best prefill throughput the chosen batch must reach."""
     max_batch_seqs: int = 256
@@ -262,11 +263,12 @@ class Engine:
                 inst.candidate = Candidate((t.template_id, pi.region, k), t.model, t.phase, pi.region, weight)
                 for s, stage in enumerate(t.stages):
                     row = []
-                    for cfg_node in stage.nodes:
+                    for k_node, cfg_node in enumerate(stage.nodes):
                         lat = latency.stage(t.model, cfg_node, stage.layers)
                         node = _Node(len(self.nodes), inst, s, lat, node_spec(cfg_node).nic_gbps, stage.start,
                                      stage.end, cfg_node, config.max_batch_seqs * len(t.stages), config.kv_watermark)
-                        node.chunk_tokens = config.prefill_chunk_tokens or chunk_tokens_within(
+                        planned = stage.batches[k_node] if stage.batches and stage.batches[k_node] > 0 else None
+                        node.chunk_tokens = config.prefill_chunk_tokens or planned or chunk_tokens_within(
                             lat, t.slo_ms / len(t.stages), config.prefill_efficiency)
                         row.append(node)
                         self.nodes.append(node)

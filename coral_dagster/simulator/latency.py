@@ -126,6 +126,15 @@ class ProfileStage:
         gain = attention(past_tokens + seq_tokens) - attention(past_tokens) - attention(seq_tokens)
         return fresh + max(gain, 0.0) * tokens / seq_tokens
 
+    def prompt_ms(self, prompt_tokens: int, chunk_tokens: int) -> float:
+        """One prompt alone, prefilled in chunks of at most `chunk_tokens` as the engine prices them."""
+        total, done = 0.0, 0
+        while done < prompt_tokens:
+            c = min(chunk_tokens, prompt_tokens - done)
+            total += self.prefill_ms(c, c, done)
+            done += c
+        return total
+
     def _decode_at(self, batch: int, ci: int) -> float:
         key = (batch, ci)
         ms = self._decode.get(key)

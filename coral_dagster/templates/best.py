@@ -19,12 +19,24 @@ from coral_dagster.templates.types import Stage, Template
 REL_TOL = 1e-9
 
 
+def one_path_only(phase: str, n_stages: int, n_nodes: int) -> bool:
+    """Whether a decode or aggregated placement of `n_nodes` over `n_stages` is ruled out: with S > 1 it must put
+    one node on every stage (S = |G'|). A data-parallel node of a multi-stage decode pipeline is shared by several
+    paths whose micro-batches reach it out of step, so it runs them in separate iterations that each pay the weight
+    read; its stage then falls far short of the summed T̂ (measured: BENCHMARKS.md, "Template reach"), and vLLM
+    runs no data parallelism inside a stage. Prefill chunks of all paths batch together, so prefill keeps them."""
+    return phase != "prefill" and 1 < n_stages < n_nodes
+
+
 def optimize(tables: ThroughputTables, nodes: NodeMultiset, method: str = "fast",
              time_limit_s: float = 60.0) -> Placement | None:
-    """The optimal placement of `nodes` with `method` "fast" (ours) or "ilp" (the paper's); None when T = 0."""
+    """The optimal placement of `nodes` with `method` "fast" (ours) or "ilp" (the paper's); None when T = 0.
+    Stage counts `one_path_only` rules out get a zero table, so no method places there."""
     configs = tuple(n for n, _ in nodes.counts)
     counts = tuple(k for _, k in nodes.counts)
-    sub = {s: t for s, t in tables.rows(configs).items() if s <= nodes.size}
+    phase = tables.workload.phase
+    sub = {s: np.zeros_like(t) if one_path_only(phase, s, nodes.size) else t
+           for s, t in tables.rows(configs).items() if s <= nodes.size}
     if method == "fast":
         return best_placement_fast(counts, sub, tables.n_layers)
     if method == "ilp":
@@ -39,10 +51,12 @@ def make_template(tables: ThroughputTables, nodes: NodeMultiset, placement: Plac
     bottleneck, bottleneck_value = None, np.inf
     for group, layers in zip(placement.groups, placement.layers):
         members = tuple(c for c, k in zip(configs, group) for _ in range(k))
-        values = [tables.point(placement.n_stages, c, layers).tokens_per_s for c in members]
+        points = [tables.point(placement.n_stages, c, layers) for c in members]
+        values = [p.tokens_per_s for p in points]
         total = sum(values)
         shares = tuple(v / total for v in values) if total > 0 else tuple(1.0 / len(members) for _ in members)
-        stage = Stage(start, start + layers, members, shares)
+        batches = tuple(p.batch for p in points) if tables.workload.phase == "prefill" else ()
+        stage = Stage(start, start + layers, members, shares, batches)
         stages.append(stage)
         if total < bottleneck_value:
             bottleneck, bottleneck_value = stage, total
@@ -87,6 +101,8 @@ def verify_template(template: Template, tables: ThroughputTables) -> list[str]:
     used = NodeMultiset.of([n for s in template.stages for n in s.nodes])
     if used != template.nodes:
         problems.append(f"stages use {used}, the template lists {template.nodes}")
+    if one_path_only(template.phase, n_stages, used.size):
+        problems.append(f"{template.phase} over {n_stages} stages shares a stage between {used.size} nodes")
     budget = tables.budget_ms(n_stages)
     pipeline_ms, stage_values = 0.0, []
     for s in template.stages:

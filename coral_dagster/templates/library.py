@@ -7,6 +7,8 @@ no less throughput (relative slack `DOMINANCE_REL_TOL` for float noise). Adding 
 (it can join any stage), so along any chain of sub-multisets the throughput is non-decreasing; hence a multiset
 is dominated exactly when one of its one-node-smaller sub-multisets reaches its throughput, which is what is
 checked. Such a sub-multiset is always enumerated: it has enough memory because the dominating one below it has.
+Decode and aggregated put one node on every stage of a multi-stage pipeline (`best.one_path_only`), so there a node
+can lower the optimum and every smaller sub-multiset is checked instead.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ def key_templates(tables: ThroughputTables, multisets: Sequence[tuple[int, ...]]
                   prune: bool = True) -> tuple[list[Template], int]:
     """Templates of one (model, phase, SLO): optimize every count vector over `tables.configs`, drop the
     dominated ones; returns the templates and how many multisets were feasible."""
-    placements = sweep(tables.tokens_per_s, tables.n_layers, multisets)  # one entry per count vector
-    drop = dominated({c: p.tokens_per_s for c, p in placements.items()}) if prune else set()
+    one_path = tables.workload.phase != "prefill"  # `best.one_path_only`: one node per stage when S > 1
+    placements = sweep(tables.tokens_per_s, tables.n_layers, multisets, one_path)  # one entry per count vector
+    drop = dominated({c: p.tokens_per_s for c, p in placements.items()}, not one_path) if prune else set()
     out = []
     for counts, placement in sorted(placements.items()):
         if counts in drop:
@@ -86,15 +89,17 @@ def _tables_task(args) -> ThroughputTables:
     return build_tables(workload, configs, max_stages)
 
 
-def dominated(values: dict[tuple[int, ...], float]) -> set[tuple[int, ...]]:
-    """Count vectors some one-node-smaller vector matches in throughput (see the module docstring)."""
+def dominated(values: dict[tuple[int, ...], float], monotone: bool = True) -> set[tuple[int, ...]]:
+    """Count vectors some smaller vector matches in throughput: with `monotone` (adding a node never lowers the
+    optimum) a one-node-smaller one suffices, else every smaller one is checked (see the module docstring)."""
     out = set()
     for counts, value in values.items():
-        for i, k in enumerate(counts):
-            if k == 0:
-                continue
-            smaller = counts[:i] + (k - 1,) + counts[i + 1:]
-            other = values.get(smaller)
+        if monotone:
+            smaller = [counts[:i] + (k - 1,) + counts[i + 1:] for i, k in enumerate(counts) if k]
+        else:
+            smaller = [v for v in itertools.product(*(range(k + 1) for k in counts)) if v != counts]
+        for sub in smaller:
+            other = values.get(sub)
             if other is not None and other >= value * (1 - DOMINANCE_REL_TOL):
                 out.add(counts)
                 break

@@ -6,6 +6,10 @@ with one layer and Σ_s m_s(LB) ≥ L, where m_s(LB) counts the layer counts j w
 one pass over its groups' curves finds the few partitions that can beat LB; only those get the exact closed form
 of `optimize`. When none can, T*(u) = LB and the sub-multiset's placement with the new node added to its
 bottleneck stage attains it. Non-monotone tables go through `best_placement_fast` multiset by multiset.
+
+With `one_path` (decode and aggregated: `best.one_path_only`) a multi-stage placement puts one node on every stage,
+so adding a node no longer keeps the sub-multiset's placement; each multiset is then solved on its own over its
+two shapes, one stage of all its nodes and one stage per node.
 """
 
 from __future__ import annotations
@@ -47,16 +51,16 @@ def _extend(p: Placement, config: int, stacked: np.ndarray) -> Placement:
     return Placement(p.n_stages, tuple(tuple(g) for g in groups), p.layers, value)
 
 
-def sweep(tables: dict[int, np.ndarray], n_layers: int,
-          multisets: Iterable[tuple[int, ...]]) -> dict[tuple[int, ...], Placement]:
+def sweep(tables: dict[int, np.ndarray], n_layers: int, multisets: Iterable[tuple[int, ...]],
+          one_path: bool = False) -> dict[tuple[int, ...], Placement]:
     """Optimal placements of count vectors over all the tables' configurations; infeasible ones are absent.
 
     `tables[S]` is C × L over every configuration; placements' groups are full-length count vectors.
     """
     ordered = sorted(multisets, key=lambda c: (sum(c), c))
     n_configs = next(iter(tables.values())).shape[0]
-    if not all(_monotone(t) for t in tables.values()):
-        return _one_by_one(tables, n_layers, ordered, n_configs)
+    if one_path or not all(_monotone(t) for t in tables.values()):
+        return _one_by_one(tables, n_layers, ordered, n_configs, one_path)
     max_s = max(tables)
     stacked = np.stack([np.asarray(tables[s], dtype=np.float64) for s in range(1, max_s + 1)])
     done: dict[tuple[int, ...], Placement] = {}
@@ -111,11 +115,13 @@ def _beat(stacked: np.ndarray, n_layers: int, counts: tuple[int, ...], present: 
     return best
 
 
-def _one_by_one(tables, n_layers, ordered, n_configs) -> dict[tuple[int, ...], Placement]:
+def _one_by_one(tables, n_layers, ordered, n_configs, one_path: bool = False) -> dict[tuple[int, ...], Placement]:
     out = {}
     for counts in ordered:
         present = [i for i, k in enumerate(counts) if k]
-        sub = {s: t[present] for s, t in tables.items() if s <= sum(counts)}
+        size = sum(counts)
+        sub = {s: np.zeros((len(present), t.shape[1])) if one_path and 1 < s < size else t[present]
+               for s, t in tables.items() if s <= size}
         p = best_placement_fast(tuple(counts[i] for i in present), sub, n_layers)
         if p is not None:
             full = []

@@ -13,13 +13,20 @@ SLO under load, so:
 - every stage step is planned within `slo_margin` × ℓ/S (room for the batch to grow with arrival jitter);
 - a node of an S-stage pipeline holds the KV cache of S micro-batches in flight;
 - prefill batches are made of prompts of the trace's token-weighted mean length E[P²]/E[P] (the prompt a prefill
-  token belongs to on average, which sets the attention cost per token), and a node must prefill one such whole
-  prompt within its stage budget at its T̂ rate (else T̂ = 0, `slo`: it would overrun on long prompts at any load);
-- prefill T̂ is scaled by `prefill_utilisation`, the busy share of a prefill node at the planned rate, so
-  heavy-tailed prompts (an M/G/1 queue) wait within the TTFT SLO;
+  token belongs to on average, which sets the attention cost per token);
+- prefill T̂ is the rate at which the pipeline keeps its TTFT: a prefill node working at μ tokens/s (T̂'s batch B
+  within a step of f · slo_margin · ℓ_p / S, f in `PREFILL_STEP_FRACTIONS`; no more than the engine's price of a
+  token-weighted prompt in chunks of B, later chunks attending to earlier ones) is an M/G/1 FIFO queue whose service
+  is the trace's prompt length / μ (`templates.queueing`). Chunks stream through the stages, so a prompt's TTFT is
+  the sojourn at its slowest stage plus about one step per stage (the wait for a running step, the other stages'
+  pass): the queue gets slo_margin · ℓ_p less S steps. T̂ = ρ*·μ, ρ* the highest utilisation at which a share
+  `attainment_target` of prompts finish within that, best over f (T̂ = 0, `slo`, when the trace's long prompts
+  overrun it at any load). The nodes of a data-parallel stage get arrivals in proportion to T̂, so each runs at ρ*
+  of its own μ;
 - as vLLM refuses to start when its KV cache cannot hold one sequence of `max_model_len`, a node whose KV cache
   cannot hold the trace's longest request (`max_context_tokens`) gets no layers (`memory`).
-The defaults (1.0, the mean prompt, no longest request, no short output) keep the paper's rule.
+The defaults (margin 1.0, the mean prompt, no trace: prompts all of that length, no longest request, no short
+output) keep the paper's budget.
 
 Decode hand-off. A decode request first receives its prompt's KV cache over the decode node's NIC (min with
 `link_gbps`; h_j ms for j layers of a mean prompt) and waits up to one pipeline cycle c = S · step to join a
@@ -31,11 +38,13 @@ Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.
 `decode`: output tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
 `aggregated` (one instance serves whole requests): each stage iteration is a slot of ℓ_d/S (ℓ_d = decode
 per-token SLO) split into a prefill chunk within β·ℓ_d/S and a decode step within (1-β)·ℓ_d/S. A slot admits C
-prompt tokens (the prefill batch) and emits B output tokens (the decode batch); requests of P prompt and D output
-tokens flow at min(C/P, B/D) per slot, so T̂ = min(C·D/P, B) / (ℓ_d/S) output tokens/s. A prompt needs ⌈P/C⌉
-chunks, so its first token comes after (⌈P/C⌉ - 1 + S) slots, which must stay within the prefill SLO; T̂ is 0
-otherwise. T̂ is the best over β in `AGGREGATED_PREFILL_FRACTIONS`. Every decode token waits at most one slot per
-stage, so the per-token SLO holds by construction.
+prompt tokens (the prefill batch) and emits B output tokens (the decode batch), under the same queueing rules as
+the pure phases: prompts queue for C·S/ℓ_d tokens/s as in prefill (an M/G/1 queue keeping a share
+`attainment_target` of first tokens within slo_margin · ℓ_p less S slots), and running sequences must fit the S·B
+decode places with that probability (a cycle of S slots: their number is Poisson, λ_B the rate that holds).
+T̂ = min(ρ*·(C·D/P)/(ℓ_d/S), λ_B) output tokens/s for requests of P prompt and D output tokens, the best over β in
+`AGGREGATED_PREFILL_FRACTIONS`. Every decode token waits at most one slot per stage, so the per-token SLO holds
+while the places suffice.
 """
 
 from __future__ import annotations
@@ -51,10 +60,13 @@ import pandas as pd
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
+from coral_dagster.templates.queueing import decode_rate, prefill_utilisation
 from coral_dagster.templates.types import PHASES, Phase
 
 #: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
 AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: Shares of the prefill budget the S steps of a prompt's pass may take; the rest is the prompts' queueing room.
+PREFILL_STEP_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125, 0.0625)
 
 
 class ThroughputPointLike(Protocol):
@@ -77,7 +89,8 @@ class Workload:
     """What one (model, phase, SLO) asks of a node: the latency budget, request lengths and network cap.
 
     `prefill_seq_tokens`: prompt length prefill batches are made of (0: `prompt_tokens`); `slo_margin`: share
-    of each stage's budget ℓ/S a step is planned at; `prefill_utilisation`: share of prefill T̂ planned on;
+    of each stage's budget ℓ/S a step is planned at; `trace`: the bundled trace whose prompt lengths the prefill
+    queue serves ("": all of `prefill_seq_tokens`); `attainment_target`: share of prompts that must meet it;
     `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check);
     `short_output_tokens`: output length of a short request whose TPOT absorbs the decode hand-off (0: none).
     """
@@ -91,7 +104,8 @@ class Workload:
     link_gbps: float | None = None
     prefill_seq_tokens: int = 0
     slo_margin: float = 1.0
-    prefill_utilisation: float = 1.0
+    trace: str = ""
+    attainment_target: float = 0.95
     max_context_tokens: int = 0
     short_output_tokens: int = 0
 
@@ -104,10 +118,11 @@ class Workload:
             raise CoralError(
                 f"request lengths {self.prompt_tokens}/{self.output_tokens} tokens.", "give at least 1 token each."
             )
-        for name in ("slo_margin", "prefill_utilisation"):
-            value = getattr(self, name)
-            if not 0 < value <= 1:
-                raise CoralError(f"{name} of {value:g} for {self.model}.", f"give a {name} in (0, 1].")
+        if not 0 < self.slo_margin <= 1:
+            raise CoralError(f"slo_margin of {self.slo_margin:g} for {self.model}.", "give a slo_margin in (0, 1].")
+        if not 0 < self.attainment_target < 1:
+            raise CoralError(f"attainment_target of {self.attainment_target:g} for {self.model}.",
+                             "give an attainment_target in (0, 1), e.g. 0.95.")
         if not self.prefill_seq_tokens:
             object.__setattr__(self, "prefill_seq_tokens", self.prompt_tokens)
 
@@ -166,7 +181,8 @@ def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
                     float(scenario_model.prefill_slo_ms), link_gbps,
                     prefill_seq_tokens=token_weighted_prompt_tokens(scenario_model.trace),
                     slo_margin=float(getattr(scenario_model, "slo_margin", 1.0)),
-                    prefill_utilisation=float(getattr(scenario_model, "prefill_utilisation", 1.0)),
+                    trace=scenario_model.trace,
+                    attainment_target=float(getattr(scenario_model, "attainment_target", 0.95)),
                     max_context_tokens=longest_request_tokens(scenario_model.trace),
                     short_output_tokens=short_output_tokens(scenario_model.trace))
 
@@ -257,14 +273,16 @@ def _aggregated_point(perf: PerfLike, model, node: NodeConfig, w: Workload, laye
                          resident_batches=n_stages)
         if pre.tokens_per_s <= 0 or dec.tokens_per_s <= 0:
             continue
-        chunks = math.ceil(w.prompt_tokens / pre.batch)
-        if (chunks - 1 + n_stages) * slot_ms > w.prefill_slo_ms:
-            continue
-        via_prefill = pre.batch * w.output_tokens / w.prompt_tokens
-        tokens_per_s = min(via_prefill, dec.batch) * 1000.0 / slot_ms
+        prompt_tokens_per_s = pre.batch * 1000.0 / slot_ms
+        queue_ms = w.prefill_slo_ms * w.slo_margin - n_stages * slot_ms
+        busy = prefill_utilisation(w.trace, w.prefill_seq_tokens, prompt_tokens_per_s * queue_ms / 1000.0,
+                                   w.attainment_target)
+        via_prefill = busy * prompt_tokens_per_s * w.output_tokens / w.prompt_tokens
+        via_decode = decode_rate(n_stages * slot_ms, 0.0, n_stages * int(dec.batch), w.attainment_target)
+        tokens_per_s = min(via_prefill, via_decode)
         if tokens_per_s > best.tokens_per_s:
-            bound = pre.bound if via_prefill < dec.batch else dec.bound
-            best = Point(tokens_per_s, int(min(via_prefill, dec.batch)), pre.stage_ms + dec.stage_ms, bound)
+            bound = pre.bound if via_prefill < via_decode else dec.bound
+            best = Point(tokens_per_s, int(tokens_per_s * slot_ms / 1000.0), pre.stage_ms + dec.stage_ms, bound)
     if best is ZERO_SLO:
         # Say why it is zero: memory when the weights cannot sit on the node at all.
         dec = perf.t_hat(model, node, "decode", layers, slot_ms, w.decode_context_tokens, send,
@@ -284,7 +302,6 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
     max_layers = {c: _max_layers(perf, spec, c, n_layers, workload.max_context_tokens) for c in configs}
     tokens, points = {}, {}
     for s in range(1, max_stages + 1):
-        budget = workload.slo_ms * workload.slo_margin / s
         rows = []
         for c in configs:
             send = send_gbps(c, s, workload.link_gbps)
@@ -294,22 +311,74 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
                     row.append(Point(0.0, 0, 0.0, "memory"))
                 elif workload.phase == "aggregated":
                     row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
+                elif workload.phase == "prefill":
+                    row.append(_prefill_point(perf, spec, c, workload, j, s, send))
                 else:
-                    ctx = workload.prompt_tokens if workload.phase == "prefill" else workload.decode_context_tokens
-                    step = _decode_step_budget(workload, spec, c, j, s) if workload.phase == "decode" else budget
+                    step = _decode_step_budget(workload, spec, c, j, s)
                     if step <= 0:
                         row.append(Point(0.0, 0, 0.0, "network"))
                         continue
-                    p = perf.t_hat(spec, c, workload.phase, j, step, ctx, send, resident_batches=s)
-                    share = workload.prefill_utilisation if workload.phase == "prefill" else 1.0
-                    if workload.phase == "prefill" and p.tokens_per_s * budget < 1000.0 * workload.prefill_seq_tokens:
-                        row.append(Point(0.0, 0, 0.0, "slo"))
-                        continue
-                    row.append(Point(float(p.tokens_per_s) * share, int(p.batch), float(p.stage_ms), str(p.bound)))
+                    p = perf.t_hat(spec, c, "decode", j, step, workload.decode_context_tokens, send,
+                                   resident_batches=s)
+                    row.append(_decode_point(perf, spec, c, workload, j, s, send, p))
             rows.append(tuple(row))
         points[s] = tuple(rows)
         tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
     return ThroughputTables(workload, tuple(configs), n_layers, tokens, points)
+
+
+def _prefill_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int,
+                   send: float | None) -> Point:
+    """Prefill T̂ under the queueing rule of the module docstring: the best ρ*·μ over the step budgets."""
+    budget = w.slo_ms * w.slo_margin
+    best, bound = ZERO_SLO, "slo"
+    for fraction in PREFILL_STEP_FRACTIONS:
+        p = perf.t_hat(spec, node, "prefill", layers, fraction * budget / n_stages, w.prompt_tokens, send,
+                       resident_batches=n_stages)
+        if p.tokens_per_s <= 0:
+            bound = p.bound if p.bound == "memory" else bound
+            continue
+        served = min(p.tokens_per_s, _chunked_tokens_per_s(perf, spec, node, layers, w.prefill_seq_tokens, p.batch,
+                                                           send))
+        left_tokens = served * (budget - n_stages * p.stage_ms) / 1000.0
+        rate = prefill_utilisation(w.trace, w.prefill_seq_tokens, left_tokens, w.attainment_target) * served
+        if rate > best.tokens_per_s:
+            best = Point(float(rate), int(p.batch), float(p.stage_ms), str(p.bound))
+    return best if best.tokens_per_s > 0 else Point(0.0, 0, 0.0, bound)
+
+
+def _decode_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int, send: float | None,
+                  p: ThroughputPointLike) -> Point:
+    """Decode T̂: the rate at which the node's running sequences fit its S micro-batches of T̂'s batch B with
+    probability `attainment_target` (`queueing.decode_rate`), its cycle S · step(N / S) taken linear in N between one
+    sequence and B per micro-batch; a perf model without curves gives a cycle fixed at S · step(B)."""
+    if p.tokens_per_s <= 0:
+        return Point(0.0, 0, 0.0, str(p.bound))
+    curve = getattr(perf, "curve", None)
+    if curve is None or p.batch < 2:
+        idle_ms, per_seq_ms = n_stages * p.stage_ms, 0.0
+    else:
+        per_unit_ms = 0.0 if not send else spec.activation_bytes_per_token * 8 / (send * 1e9) * 1e3
+        one_ms = layers * curve(spec, node, "decode", max(w.decode_context_tokens, 1))(1) + per_unit_ms
+        per_seq_ms = max(p.stage_ms - one_ms, 0.0) / (p.batch - 1)
+        idle_ms = n_stages * (one_ms - per_seq_ms)
+    rate = decode_rate(max(idle_ms, 1e-6), per_seq_ms, n_stages * int(p.batch), w.attainment_target)
+    return Point(min(rate, float(p.tokens_per_s)), int(p.batch), float(p.stage_ms), str(p.bound))
+
+
+def _chunked_tokens_per_s(perf, spec, node: NodeConfig, layers: int, prompt_tokens: int, chunk_tokens: int,
+                          send: float | None) -> float:
+    """Tokens/s of prompts of `prompt_tokens` prefilled in chunks of `chunk_tokens`, each later chunk attending to
+    the earlier ones (`simulator.latency.ProfileStage.prompt_ms`, the engine's price), plus sending the activations;
+    infinite for a perf model without per-layer prefill times (the T̂ batch then stands alone)."""
+    if not hasattr(perf, "prefill_ms_per_layer"):
+        return math.inf
+    from coral_dagster.simulator.latency import ProfileStage
+
+    ms = ProfileStage(perf, spec, node, layers, math.inf).prompt_ms(prompt_tokens, max(chunk_tokens, 1))
+    if send:
+        ms += prompt_tokens * spec.activation_bytes_per_token * 8 / (send * 1e9) * 1e3
+    return 1000.0 * prompt_tokens / ms
 
 
 def _decode_step_budget(w: Workload, spec, node: NodeConfig, layers: int, n_stages: int) -> float:

@@ -14,12 +14,15 @@ Bound = Literal["compute", "memory", "slo", "network"]
 
 @dataclass(frozen=True)
 class Stage:
-    """A contiguous block of layers `[start, end)` held by every node listed; nodes split its load by `shares`."""
+    """A contiguous block of layers `[start, end)` held by every node listed; nodes split its load by `shares`.
+    `batches`: per node, the prefill tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`; empty
+    where no such plan exists, e.g. decode)."""
 
     start: int
     end: int
     nodes: tuple[NodeConfig, ...]
     shares: tuple[float, ...]
+    batches: tuple[int, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -54,13 +57,14 @@ class Template:
 
 
 def stages_doc(stages: tuple[Stage, ...]) -> list[dict]:
-    """A template's stages as JSON-ready dicts (start, end, nodes, shares): the one form they are stored in (the
-    library, plan instances) and printed in (`coral plan --json`)."""
-    return [{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares)}
-            for s in stages]
+    """A template's stages as JSON-ready dicts (start, end, nodes, shares, and batches where planned): the one form
+    they are stored in (the library, plan instances) and printed in (`coral plan --json`)."""
+    return [{"start": s.start, "end": s.end, "nodes": [str(n) for n in s.nodes], "shares": list(s.shares),
+             **({"batches": list(s.batches)} if s.batches else {})} for s in stages]
 
 
 def stages_from_doc(doc: list[dict], parse=NodeConfig.parse) -> tuple[Stage, ...]:
     """Stages back from `stages_doc` (`parse` turns a node name into its configuration, e.g. memoized)."""
     return tuple(Stage(int(s["start"]), int(s["end"]), tuple(parse(n) for n in s["nodes"]),
-                       tuple(float(x) for x in s["shares"])) for s in doc)
+                       tuple(float(x) for x in s["shares"]), tuple(int(b) for b in s.get("batches", ())))
+                 for s in doc)
