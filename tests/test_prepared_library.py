@@ -32,7 +32,7 @@ models:
   - {model: phi-4, prefill_slo_ms: 1200, decode_slo_ms: 60, trace: azure-conv, rate_req_s: 1}
 availability:
   default_nodes: 2
-templates: {n_max: 3, rho: 12, slo_margin: 0.75, prefill_utilisation: 0.6}
+templates: {n_max: 3, rho: 12, slo_margin: 0.75}
 allocation: {headroom: 1.1, replan_interval_min: 6, node_startup_min: 10}
 """
 
