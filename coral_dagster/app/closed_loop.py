@@ -5,10 +5,10 @@ model's whole trace loop plus one attainment window (`window_s`, the capacity ru
 is left out; a model's attainment is its worst over the windows that start at each of its requests in the first
 loop (the share of its admitted requests meeting both SLOs), so no choice of seed or window can find a worse
 one of that length. For every model below its target the loop multiplies its capacity factor by `step` (both
-phases); at most `rounds` plans are made. The answer is the cheapest
-plan whose worst model meets its target, or, when none does, the plan with the smallest worst shortfall (ties: the
-cheaper), its shortfall named in its notes. Round 0 is always a candidate, so the loop never returns a plan that
-simulates worse than the one it started from.
+phases); at most `rounds` plans are made, and a round that finds no plan (a solver limit) ends the loop there.
+The answer is the cheapest plan whose worst model meets its target, or, when none does, the plan with the smallest
+worst shortfall (ties: the cheaper), its shortfall named in its notes. Round 0 is always a candidate, so the loop
+never returns a plan that simulates worse than the one it started from.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import numpy as np
 from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S, trace_period_s, worst_window_share
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
+from coral_dagster.errors import CoralError
 
 
 @dataclass(frozen=True)
@@ -68,8 +69,15 @@ def closed_loop(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario,
     targets = {m.model: m.attainment_target for m in scenario.models if rates.get(m.model, 0) > 0}
     boost: dict[str, float] = {}
     history: list[Round] = []
-    for _ in range(max(1, rounds)):
-        plan = make(dict(boost))
+    stopped = ""
+    for k in range(max(1, rounds)):
+        try:
+            plan = make(dict(boost))
+        except CoralError as exc:
+            if not history:
+                raise
+            stopped = f"; round {k + 1} found no plan ({exc.problem})"
+            break
         rnd = Round(plan, measure(plan, scenario, rates, window_s, seed), dict(boost))
         history.append(rnd)
         short = [m for m, a in rnd.attainment.items() if m in targets and a < targets[m]]
@@ -87,6 +95,6 @@ def closed_loop(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario,
     if best.shortfall(targets) > 0:
         worst = max(targets, key=lambda m: targets[m] - best.attainment.get(m, 1.0))
         notes.append(f"closed loop: no plan in {len(history)} round(s) met every target; best worst model "
-                     f"{worst} at {best.attainment[worst]:.1%} (target {targets[worst]:.0%})")
+                     f"{worst} at {best.attainment[worst]:.1%} (target {targets[worst]:.0%}){stopped}")
     return replace(best.plan, expected_attainment=dict(best.attainment), expected_from=source,
                    notes=tuple(notes)), history
