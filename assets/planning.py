@@ -5,6 +5,7 @@ import pandas as pd
 from pydantic import Field
 
 from assets.metadata import checked_plan_id, frame_table, row_count
+from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S
 from coral_dagster.catalog.scenarios import load_scenario
 from resources.solver import SolverSettings
 from resources.store import CoralDuckDB
@@ -28,7 +29,8 @@ class PlanConfig(dg.Config):
     closed_loop: bool = Field(default=True, description="Simulate the plan on each model's own trace and re-plan "
                               "with more capacity for models below their attainment target (Coral plan only).")
     loop_rounds: int = Field(default=3, description="Most plans the closed loop makes.")
-    loop_simulate_s: float = Field(default=300.0, description="Seconds of traffic each closed-loop round simulates.")
+    loop_window_s: float = Field(default=ATTAINMENT_WINDOW_S, description="Seconds of traffic per attainment window; each "
+                                 "closed-loop round checks the worst window of every model's trace loop.")
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "python"}, deps=["catalogs"])
@@ -53,7 +55,7 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
     store = duckdb.store()
     rnd = plan_round(store, load_scenario(config.scenario), "coral", scarcity=config.scarcity or None,
                      time_limit_s=solver.time_limit_s, run_id=context.run_id, closed_loop=config.closed_loop,
-                     loop_rounds=config.loop_rounds, loop_simulate_s=config.loop_simulate_s)
+                     loop_rounds=config.loop_rounds, loop_window_s=config.loop_window_s)
     plan = rnd.plan
     table = plan_by_model_region(plan).round(2)
     history = store.query("SELECT * FROM plan_history WHERE scenario_key = ?", [plan.scenario_key])

@@ -1,81 +1,108 @@
 """Cost at equal simulated SLO attainment: every method sized by the same capacity rule and closed loop.
 
 For each scenario and method: the plan at fixed demand (rate × mean tokens × headroom, the old rule) and the plan
-the burst-aware capacity rule plus the closed loop ends with; each simulated on the scenario's own traces (seeds
-given), worst per-model attainment and cost side by side. Prints a table and writes bench/results/equal_attainment.json.
+the burst-aware capacity rule plus the closed loop (worst 600-s window of every trace loop, seed 0) ends with; each
+evaluated on held-out windows of the scenario's own traces (one per seed, seeds the loop does not use), worst
+per-model attainment and cost side by side. A method that cannot serve the sized demand within availability is
+shown at what it reaches (uniformly scaled, with admission) and, labelled, with availability relaxed ×N until its
+closed loop plans. Prints a table and writes bench/results/equal_attainment.json.
 
-    python bench/equal_attainment.py [--scenarios core] [--methods coral,homo,homo-ilp,cauchy] [--seeds 0,7]
+    python -m bench.equal_attainment [--scenarios core,extended] [--methods coral,homo,homo-ilp,cauchy]
+        [--seeds 11,12,13,14] [--duration-s 600] [--relax 2,4]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
-from pathlib import Path
 
+from bench._args import RESULTS, bench_parser, evaluate, names, report
+from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
 from coral_dagster.app.closed_loop import closed_loop
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
-from coral_dagster.simulator.simulate import simulate_plan
 
-OUT = Path(__file__).resolve().parent / "results" / "equal_attainment.json"
+FULL = {"optimal", "feasible-time-limit", "heuristic"}
 
 
-def worst(plan, scn, seeds, duration_s):
-    """Worst per-model share of admitted requests meeting both SLOs over the seeds, on the scenario traces."""
-    out = []
-    for seed in seeds:
-        res = simulate_plan(plan, scn, trace="scenario", duration_s=duration_s, seed=seed)
-        out.append(float(res.by_model.admitted_attainment.min()))
-    return min(out)
+def sized(scn, method, templates, time_limit_s, availability_scale=1.0):
+    """The closed loop's plan for one method at an availability level; each round's status, cost, boost and worst
+    window per model; wall time."""
+    t0 = time.perf_counter()
+    rates = {m.model: m.rate_req_s for m in scn.models}
+    plan, history = closed_loop(
+        lambda boost: plan_scenario(scn, method=method, templates=templates, boost=boost, time_limit_s=time_limit_s,
+                                    availability_scale=availability_scale), scn, rates)
+    rounds = [{"status": r.plan.status, "usd_per_hour": r.plan.cost_usd_per_hour, "mip_gap": r.plan.mip_gap,
+               "boost": dict(r.boost), "worst_window": dict(r.attainment)} for r in history]
+    return plan, rounds, time.perf_counter() - t0
+
+
+def row_for(scn, method, templates, args, seeds) -> dict:
+    """One method on one scenario: fixed-demand plan, sized plan, and where the sized demand cannot be met, what it
+    reaches and what availability it would need."""
+    row = {"scenario": scn.name, "method": method}
+    try:
+        fixed = plan_scenario(scn, method=method, templates=templates, burst_aware=False,
+                              time_limit_s=args.time_limit_s)
+        row.update(fixed_status=fixed.status, fixed_usd_per_hour=fixed.cost_usd_per_hour,
+                   fixed_worst_attainment=evaluate(fixed, scn, seeds, args.duration_s)["worst_attainment"])
+    except CoralError as exc:
+        row["fixed_error"] = str(exc)[:160]
+    try:
+        plan, rounds, loop_s = sized(scn, method, templates, args.time_limit_s)
+        ev = evaluate(plan, scn, seeds, args.duration_s)
+        row.update(sized_status=plan.status, sized_usd_per_hour=plan.cost_usd_per_hour, loop_rounds=len(rounds),
+                   loop_history=rounds,
+                   loop_s=loop_s, loop_worst_window=min(plan.expected_attainment.values()),
+                   sized_worst_attainment=ev["worst_attainment"],
+                   sized_per_seed=[r["worst_attainment"] for r in ev["runs"]])
+        return row
+    except CoralError as exc:
+        row["sized_error"] = str(exc)[:160]
+    try:
+        reach = plan_scenario(scn, method=method, templates=templates, scarcity="scale",
+                              time_limit_s=args.time_limit_s)
+        ev = evaluate(reach, scn, seeds, args.duration_s)
+        row.update(reach_status=reach.status, reach_usd_per_hour=reach.cost_usd_per_hour,
+                   reach_served_share=min(fluid_goodput(reach).per_model.values()),
+                   reach_worst_attainment=ev["worst_attainment"])
+    except CoralError as exc:
+        row["reach_error"] = str(exc)[:160]
+    for factor in (float(x) for x in names(args.relax)):
+        try:
+            plan, rounds, _ = sized(scn, method, templates, args.time_limit_s, availability_scale=factor)
+        except CoralError:
+            continue
+        row.update(relaxed_availability=factor, relaxed_status=plan.status, relaxed_usd_per_hour=plan.cost_usd_per_hour,
+                   relaxed_worst_attainment=evaluate(plan, scn, seeds, args.duration_s)["worst_attainment"])
+        break
+    return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenarios", default="core")
-    ap.add_argument("--methods", default="coral,homo,homo-ilp,cauchy")
-    ap.add_argument("--seeds", default="0,7")
-    ap.add_argument("--duration-s", type=float, default=600.0)
-    ap.add_argument("--time-limit-s", type=float, default=30.0)
+    ap = bench_parser(__doc__)
+    ap.add_argument("--relax", default="2,4", help="availability multiples tried when a method cannot plan at ×1")
     args = ap.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
+    seeds = [int(s) for s in names(args.seeds)]
     rows = []
-    for name in args.scenarios.split(","):
+    for name in names(args.scenarios):
         scn = load_scenario(name)
         templates = library_templates(scn)
-        rates = {m.model: m.rate_req_s for m in scn.models}
-        for method in args.methods.split(","):
-            row = {"scenario": name, "method": method}
-            try:
-                fixed = plan_scenario(scn, method=method, templates=templates, burst_aware=False,
-                                      time_limit_s=args.time_limit_s)
-                row.update(fixed_usd_per_hour=fixed.cost_usd_per_hour,
-                           fixed_worst_attainment=worst(fixed, scn, seeds, args.duration_s))
-                t0 = time.perf_counter()
-                sized, history = closed_loop(
-                    lambda boost: plan_scenario(scn, method=method, templates=templates, boost=boost,
-                                                time_limit_s=args.time_limit_s), scn, rates)
-                row.update(sized_usd_per_hour=sized.cost_usd_per_hour, loop_rounds=len(history),
-                           loop_s=time.perf_counter() - t0, sized_status=sized.status,
-                           sized_worst_attainment=worst(sized, scn, seeds, args.duration_s))
-            except CoralError as exc:
-                row["error"] = str(exc)[:200]
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for method in names(args.methods):
+            rows.append(row_for(scn, method, templates, args, seeds))
+            print(rows[-1], flush=True)
     for r in rows:
         coral = next((x for x in rows if x["scenario"] == r["scenario"] and x["method"] == "coral"), {})
-        if "sized_usd_per_hour" in r and coral.get("sized_usd_per_hour"):
-            r["x_coral_at_equal_attainment"] = r["sized_usd_per_hour"] / coral["sized_usd_per_hour"]
-    header = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", "sized_usd_per_hour",
-              "sized_worst_attainment", "x_coral_at_equal_attainment", "loop_rounds")
-    print(" | ".join(header))
-    for r in rows:
-        print(" | ".join(f"{r[k]:,.3f}" if isinstance(r.get(k), float) else str(r.get(k, r.get("error", "-")))
-                         for k in header))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"seeds": seeds, "duration_s": args.duration_s, "rows": rows}, indent=2))
+        for kind in ("fixed", "sized"):
+            if r.get(f"{kind}_usd_per_hour") and coral.get(f"{kind}_usd_per_hour"):
+                r[f"{kind}_x_coral"] = r[f"{kind}_usd_per_hour"] / coral[f"{kind}_usd_per_hour"]
+    header = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", "fixed_x_coral",
+              "sized_status", "sized_usd_per_hour", "loop_worst_window", "sized_worst_attainment", "sized_x_coral",
+              "loop_rounds", "reach_usd_per_hour", "reach_served_share", "reach_worst_attainment",
+              "relaxed_availability", "relaxed_usd_per_hour", "relaxed_worst_attainment")
+    report(rows, header, args.out or RESULTS / "equal_attainment.json",
+           {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
 
 
 if __name__ == "__main__":

@@ -1,67 +1,78 @@
-"""Goodput under scarcity with admission control: what a plan promises (fluid) against what it delivers (simulated).
+"""The paper's scarcity experiment: availability below demand, every method plans what it can serve, goodput simulated
+with admission control.
 
-For each availability level, Coral plans what it can serve (uniform scaling or max-min fair), the router admits per
-model only the request rate the plan serves and sheds the rest (429); the plan is simulated on the scenario's own
-traces. "Fluid" is what the plan promises: each model's served share of its requests (`fluid_goodput`) times the
-tokens/s the simulation offered of it. Prints a table and writes bench/results/scarcity_goodput.json.
+For each scenario, availability level and mode (uniform `scale`, max-min `fair`), every method plans what it can
+serve; the router admits per model only the request rate the plan serves and sheds the rest (429); the plan is
+simulated on the scenario's own traces (one window per seed). Goodput is tokens/s of requests meeting both SLOs;
+"fluid" is what the plan promises: each model's served share of its requests (`fluid_goodput`) times the tokens/s
+the simulation offered of it. The ratios Coral/Cauchy and Coral/Homo are of simulated goodput (paper, extended:
+2.39× and 7.64×). Prints a table and writes bench/results/scarcity_goodput.json.
 
-    python bench/scarcity_goodput.py [--scenario core] [--levels 0.5,0.25] [--modes scale,fair] [--seeds 0,7]
+    python -m bench.scarcity_goodput [--scenarios core,extended] [--levels 0.5,0.25,0.15] [--modes scale,fair]
+        [--methods coral,homo,homo-ilp,cauchy] [--seeds 11,12] [--duration-s 300]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-from pathlib import Path
+import time
 
+from bench._args import RESULTS, bench_parser, evaluate, names, report
 from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
 from coral_dagster.catalog.scenarios import load_scenario
-from coral_dagster.simulator.simulate import simulate_plan
+from coral_dagster.errors import CoralError
 
-OUT = Path(__file__).resolve().parent / "results" / "scarcity_goodput.json"
+
+def row_for(scn, templates, level, mode, method, args, seeds) -> dict:
+    """One method's plan at one availability level and mode, simulated with shedding."""
+    row = {"scenario": scn.name, "availability_scale": level, "mode": mode, "method": method}
+    t0 = time.perf_counter()
+    try:
+        plan = plan_scenario(scn, method=method, availability_scale=level, scarcity=mode, templates=templates,
+                             time_limit_s=args.time_limit_s)
+    except CoralError as exc:
+        return {**row, "error": str(exc)[:160], "plan_s": time.perf_counter() - t0}
+    row.update(status=plan.status, plan_s=time.perf_counter() - t0, usd_per_hour=plan.cost_usd_per_hour,
+               notes=list(plan.notes))
+    fluid = fluid_goodput(plan)
+    ev = evaluate(plan, scn, seeds, args.duration_s)
+    promised = sum(sum(fluid.per_model.get(m, 0.0) * v for m, v in r["offered_tokens_per_s"].items())
+                   for r in ev["runs"]) / len(ev["runs"])
+    row.update(served_share={m: round(f, 4) for m, f in fluid.per_model.items()},
+               fluid_goodput_tokens_per_s=promised, simulated_goodput_tokens_per_s=ev["goodput_tokens_per_s"],
+               simulated_over_fluid=ev["goodput_tokens_per_s"] / promised if promised else None,
+               shed=sum(r["shed"] for r in ev["runs"]), arrivals=sum(r["arrivals"] for r in ev["runs"]),
+               worst_admitted_attainment=ev["worst_attainment"])
+    return row
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--scenario", default="core")
-    ap.add_argument("--levels", default="0.5,0.25")
+    ap = bench_parser(__doc__, duration_s=300.0)
+    ap.add_argument("--levels", default="0.5,0.25,0.15")
     ap.add_argument("--modes", default="scale,fair")
-    ap.add_argument("--seeds", default="0,7")
-    ap.add_argument("--duration-s", type=float, default=300.0)
-    ap.add_argument("--time-limit-s", type=float, default=30.0)
+    ap.set_defaults(seeds="11,12")
     args = ap.parse_args()
-    scn = load_scenario(args.scenario)
-    templates = library_templates(scn)
+    seeds = [int(s) for s in names(args.seeds)]
     rows = []
-    for level in (float(x) for x in args.levels.split(",")):
-        for mode in args.modes.split(","):
-            plan = plan_scenario(scn, availability_scale=level, scarcity=mode, templates=templates,
-                                 time_limit_s=args.time_limit_s)
-            fluid = fluid_goodput(plan)
-            for seed in (int(s) for s in args.seeds.split(",")):
-                res = simulate_plan(plan, scn, trace="scenario", duration_s=args.duration_s, seed=seed)
-                by = res.by_model
-                req = res.requests
-                offered = ((req.prompt_tokens + req.output_tokens).groupby(req.model).sum() / res.duration_s)
-                promised = sum(fluid.per_model.get(m, 0.0) * float(v) for m, v in offered.items())
-                row = {"scenario": scn.name, "availability_scale": level, "mode": mode, "seed": seed,
-                       "status": plan.status, "usd_per_hour": plan.cost_usd_per_hour,
-                       "admit_req_s": dict(plan.admit_req_s),
-                       "fluid_goodput_tokens_per_s": promised,
-                       "simulated_goodput_tokens_per_s": res.goodput_tokens_per_s,
-                       "simulated_over_fluid": res.goodput_tokens_per_s / promised if promised else None,
-                       "shed": int(by.shed.sum()), "arrivals": int(by.arrivals.sum()),
-                       "worst_admitted_attainment": float(by.admitted_attainment.min())}
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    header = ("availability_scale", "mode", "seed", "usd_per_hour", "fluid_goodput_tokens_per_s",
-              "simulated_goodput_tokens_per_s", "simulated_over_fluid", "shed", "worst_admitted_attainment")
-    print(" | ".join(header))
+    for name in names(args.scenarios):
+        scn = load_scenario(name)
+        templates = library_templates(scn)
+        for level in (float(x) for x in names(args.levels)):
+            for mode in names(args.modes):
+                for method in names(args.methods):
+                    rows.append(row_for(scn, templates, level, mode, method, args, seeds))
+                    print({k: v for k, v in rows[-1].items() if k != "notes"}, flush=True)
     for r in rows:
-        print(" | ".join(f"{r[k]:,.3f}" if isinstance(r[k], float) else str(r[k]) for k in header))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"duration_s": args.duration_s, "rows": rows}, indent=2))
+        same = [x for x in rows if (x["scenario"], x["availability_scale"], x["mode"]) ==
+                (r["scenario"], r["availability_scale"], r["mode"])]
+        coral = next((x for x in same if x["method"] == "coral"), {})
+        if r.get("simulated_goodput_tokens_per_s") and coral.get("simulated_goodput_tokens_per_s"):
+            r["coral_over_method"] = coral["simulated_goodput_tokens_per_s"] / r["simulated_goodput_tokens_per_s"]
+    header = ("scenario", "availability_scale", "mode", "method", "status", "usd_per_hour", "plan_s",
+              "fluid_goodput_tokens_per_s", "simulated_goodput_tokens_per_s", "simulated_over_fluid",
+              "coral_over_method", "shed", "arrivals", "worst_admitted_attainment")
+    report(rows, header, args.out or RESULTS / "scarcity_goodput.json",
+           {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
 
 
 if __name__ == "__main__":

@@ -51,8 +51,8 @@ class Candidate:
 def entry_weights(candidates: Iterable[Candidate]) -> dict[Hashable, float]:
     """Entry weight per prefill or aggregated candidate: a prefill one scaled by its region's decode/prefill ratio
     (capped at 1), so a region takes no more of a model's requests than its decode can finish. A model with no
-    decode candidate anywhere is prefill-only (a template measured alone): its prefill weights stay, and its
-    requests end after their first token."""
+    decode or aggregated candidate anywhere is prefill-only (a template measured alone): its prefill weights stay,
+    and its requests end after their first token."""
     cands = list(candidates)
     pre: dict[str, float] = {}
     dec: dict[str, float] = {}
@@ -61,12 +61,13 @@ def entry_weights(candidates: Iterable[Candidate]) -> dict[Hashable, float]:
             pre[c.region] = pre.get(c.region, 0.0) + c.weight
         elif c.phase == "decode":
             dec[c.region] = dec.get(c.region, 0.0) + c.weight
+    finishes = bool(dec) or any(c.phase == "aggregated" for c in cands)
     out: dict[Hashable, float] = {}
     for c in cands:
         if c.phase == "aggregated":
             out[c.key] = c.weight
         elif c.phase == "prefill" and pre[c.region] > 0:
-            out[c.key] = c.weight * (min(1.0, dec.get(c.region, 0.0) / pre[c.region]) if dec else 1.0)
+            out[c.key] = c.weight * (min(1.0, dec.get(c.region, 0.0) / pre[c.region]) if finishes else 1.0)
     return out
 
 

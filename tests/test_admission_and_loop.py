@@ -13,6 +13,7 @@ from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.app.closed_loop import closed_loop
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.errors import CoralError
 from coral_dagster.routing import Admission
 from coral_dagster.templates.types import Stage, Template
 
@@ -120,3 +121,24 @@ def test_closed_loop_is_bounded_and_never_worse_than_its_start(start, gain, roun
     meeting = [r for r in history if r.shortfall(targets) == 0]
     if meeting:
         assert shortfall == 0 and chosen.cost_usd_per_hour == min(r.plan.cost_usd_per_hour for r in meeting)
+
+
+def test_closed_loop_keeps_its_rounds_when_a_later_round_finds_no_plan():
+    """A re-plan that hits the solver limit ends the loop with the best plan so far, the reason in its notes; a
+    first round that finds no plan is the caller's error."""
+    scn = load_scenario("core")
+    base = _aggregated_plan({})
+    calls = []
+
+    def make(boost):
+        calls.append(dict(boost))
+        if len(calls) > 1:
+            raise CoralError("the coral allocation ILP found no plan within 30 s.", "raise the time limit.")
+        return replace(base, cost_usd_per_hour=1.0)
+
+    rates = {m.model: 1.0 for m in scn.models}
+    chosen, history = closed_loop(make, scn, rates, rounds=3, measure=lambda *a: {m: 0.5 for m in rates})
+    assert len(history) == 1 and len(calls) == 2
+    assert chosen.cost_usd_per_hour == 1.0 and "round 2 found no plan" in chosen.notes[-1]
+    with pytest.raises(CoralError):
+        closed_loop(lambda boost: make(boost), scn, rates, measure=lambda *a: {})

@@ -1,12 +1,14 @@
 """The closed loop: simulate a plan on each model's own trace, raise the capacity of models that fall short, re-plan.
 
-Round 0 is the plan the capacity rule sizes. Each round simulates the plan (`simulate_s` seconds of every model's
-own trace, for each seed; a model's attainment is its worst over the seeds, since each seed starts the trace at
-another point) and, for every model whose SLO attainment among admitted requests is below its target,
-multiplies its capacity factor by `step` (both phases); at most `rounds` plans are made. The answer is the cheapest
-plan whose worst model meets its target, or, when none does, the plan with the smallest worst shortfall (ties: the
-cheaper), its shortfall named in its notes. Round 0 is always a candidate, so the loop never returns a plan that
-simulates worse than the one it started from.
+Round 0 is the plan the capacity rule sizes. Each round simulates the plan once without a break over every
+model's whole trace loop plus one attainment window (`window_s`, the capacity rule's), so no stretch of any trace
+is left out; a model's attainment is its worst over the windows that start at each of its requests in the first
+loop (the share of its admitted requests meeting both SLOs), so no choice of seed or window can find a worse
+one of that length. For every model below its target the loop multiplies its capacity factor by `step` (both
+phases); at most `rounds` plans are made, and a round that finds no plan (a solver limit) ends the loop there.
+The answer is the cheapest plan whose worst model meets its target, or, when none does, the plan with the smallest
+worst shortfall (ties: the cheaper), its shortfall named in its notes. Round 0 is always a candidate, so the loop
+never returns a plan that simulates worse than the one it started from.
 """
 
 from __future__ import annotations
@@ -14,8 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Mapping
 
+import numpy as np
+
+from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S, trace_period_s, worst_window_share
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
+from coral_dagster.errors import CoralError
 
 
 @dataclass(frozen=True)
@@ -31,30 +37,48 @@ class Round:
         return max([0.0] + [targets[m] - a for m, a in self.attainment.items() if m in targets])
 
 
-def admitted_attainment(plan: Plan, scenario: Scenario, rates: Mapping[str, float], simulate_s: float,
-                        seeds: tuple[int, ...]) -> dict[str, float]:
-    """Per model, the worst over the seeds of the share of admitted requests meeting both SLOs on its own trace."""
+def loop_duration_s(scenario: Scenario, rates: Mapping[str, float], window_s: float) -> float:
+    """A simulation long enough for every model's whole trace loop at its rate, plus one window."""
+    return window_s + max((trace_period_s(m.trace, float(rates[m.model])) for m in scenario.models
+                           if rates.get(m.model, 0) > 0), default=0.0)
+
+
+def worst_window_attainment(plan: Plan, scenario: Scenario, rates: Mapping[str, float], window_s: float,
+                            seed: int) -> dict[str, float]:
+    """Per model, the worst share of admitted requests meeting both SLOs over the `window_s` windows of one
+    unbroken simulation of its whole trace loop."""
+    from coral_dagster.simulator.engine import FAILURES, SHED
     from coral_dagster.simulator.simulate import simulate_plan
 
+    duration_s = loop_duration_s(scenario, rates, window_s)
+    res = simulate_plan(plan, scenario, trace="scenario", duration_s=duration_s, seed=seed, rates=rates)
+    req = res.requests[res.requests.status != FAILURES[SHED]].sort_values("arrival_s", kind="stable")
     out: dict[str, float] = {}
-    for seed in seeds:
-        res = simulate_plan(plan, scenario, trace="scenario", duration_s=simulate_s, seed=seed, rates=rates)
-        for model, a in zip(res.by_model.model, res.by_model.admitted_attainment.astype(float)):
-            out[model] = min(out.get(model, 1.0), a)
+    for model, sub in req.groupby("model", sort=True):
+        arrival = sub.arrival_s.to_numpy(dtype=float)
+        first = int(np.searchsorted(arrival, duration_s - window_s, side="right"))
+        out[str(model)] = worst_window_share(arrival, sub.met_slo.to_numpy(dtype=bool), window_s, slice(0, first))
     return out
 
 
 def closed_loop(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario, rates: Mapping[str, float], *,
-                rounds: int = 3, step: float = 1.25, simulate_s: float = 300.0, seeds: tuple[int, ...] = (0, 1),
-                measure: Callable[..., Mapping[str, float]] = admitted_attainment) -> tuple[Plan, list[Round]]:
+                rounds: int = 3, step: float = 1.25, window_s: float = ATTAINMENT_WINDOW_S, seed: int = 0,
+                measure: Callable[..., Mapping[str, float]] = worst_window_attainment) -> tuple[Plan, list[Round]]:
     """(the chosen plan with its expected attainment recorded, every round); `make(boost)` plans with the capacity
     factors times `boost` per model."""
     targets = {m.model: m.attainment_target for m in scenario.models if rates.get(m.model, 0) > 0}
     boost: dict[str, float] = {}
     history: list[Round] = []
-    for _ in range(max(1, rounds)):
-        plan = make(dict(boost))
-        rnd = Round(plan, measure(plan, scenario, rates, simulate_s, seeds), dict(boost))
+    stopped = ""
+    for k in range(max(1, rounds)):
+        try:
+            plan = make(dict(boost))
+        except CoralError as exc:
+            if not history:
+                raise
+            stopped = f"; round {k + 1} found no plan ({exc.problem})"
+            break
+        rnd = Round(plan, measure(plan, scenario, rates, window_s, seed), dict(boost))
         history.append(rnd)
         short = [m for m, a in rnd.attainment.items() if m in targets and a < targets[m]]
         if not short:
@@ -65,12 +89,12 @@ def closed_loop(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario,
     best = min(meeting, key=lambda r: r.plan.cost_usd_per_hour) if meeting else min(
         history, key=lambda r: (r.shortfall(targets), r.plan.cost_usd_per_hour))
     k = history.index(best)
-    source = (f"closed loop round {k + 1} of {len(history)}: {simulate_s:g} s of each model's own trace, worst of "
-              f"seeds {', '.join(map(str, seeds))}")
+    source = (f"closed loop round {k + 1} of {len(history)}: worst {window_s:g}-s window of each model's whole "
+              f"trace loop, simulated unbroken (seed {seed})")
     notes = list(best.plan.notes)
     if best.shortfall(targets) > 0:
         worst = max(targets, key=lambda m: targets[m] - best.attainment.get(m, 1.0))
         notes.append(f"closed loop: no plan in {len(history)} round(s) met every target; best worst model "
-                     f"{worst} at {best.attainment[worst]:.1%} (target {targets[worst]:.0%})")
+                     f"{worst} at {best.attainment[worst]:.1%} (target {targets[worst]:.0%}){stopped}")
     return replace(best.plan, expected_attainment=dict(best.attainment), expected_from=source,
                    notes=tuple(notes)), history

@@ -8,6 +8,7 @@ from datetime import datetime, timezone
 
 import pandas as pd
 
+from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.planner import with_admission
@@ -70,7 +71,7 @@ class PlanRound:
 
 def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarcity: str | None = None,
                time_limit_s: float = 30.0, run_id: str | None = None, closed_loop: bool = False,
-               loop_rounds: int = 3, loop_simulate_s: float = 300.0) -> PlanRound:
+               loop_rounds: int = 3, loop_window_s: float = ATTAINMENT_WINDOW_S) -> PlanRound:
     """Plan from the stored library, newest snapshot and newest demand; churn is priced against the newest plan
     of the same method. With `closed_loop`, the plan is simulated on each model's own trace and re-planned with
     more capacity for models that fall short (`app.closed_loop`). A plan that serves less than the demand admits
@@ -99,7 +100,7 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
         from coral_dagster.app.closed_loop import closed_loop as loop
 
         plan, _ = loop(lambda boost: make(boost)[0], scenario, rates, rounds=loop_rounds,
-                       simulate_s=loop_simulate_s)
+                       window_s=loop_window_s)
     inputs = {"scenario_path": scenario.path, "demand_id": demand_id, "snapshot_id": problem.snapshot_id,
               "templates": len(templates),
               "running_plan": running.plan_id if running else None, "scarcity": scarcity,

@@ -1,0 +1,60 @@
+"""What the paper benches share: their command line, the evaluation of a plan on held-out trace windows, the table."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def bench_parser(doc: str, *, scenarios: str = "core,extended", duration_s: float = 600.0) -> argparse.ArgumentParser:
+    """Options every paper bench takes; the evaluation seeds default to ones the closed loop never uses (seed 0)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--scenarios", default=scenarios)
+    ap.add_argument("--methods", default="coral,homo,homo-ilp,cauchy")
+    ap.add_argument("--seeds", default="11,12,13,14", help="evaluation seeds: each starts the traces elsewhere")
+    ap.add_argument("--duration-s", type=float, default=duration_s, help="seconds of traffic per evaluation")
+    ap.add_argument("--time-limit-s", type=float, default=30.0, help="solver limit per solve")
+    ap.add_argument("--out", type=Path, default=None, help="JSON file (default: bench/results/<bench>.json)")
+    return ap
+
+
+def names(text: str) -> list[str]:
+    """A comma-separated option as a list."""
+    return [t for t in text.split(",") if t]
+
+
+def evaluate(plan, scenario, seeds, duration_s: float) -> dict:
+    """The plan simulated on the scenario's own traces, one window per seed: per seed the worst model's share of
+    admitted requests meeting both SLOs, goodput (tokens/s meeting SLO) and offered tokens/s; with the worst seed."""
+    from coral_dagster.simulator.simulate import simulate_plan
+
+    runs = []
+    for seed in seeds:
+        res = simulate_plan(plan, scenario, trace="scenario", duration_s=duration_s, seed=seed)
+        req, by = res.requests, res.by_model
+        offered = (req.prompt_tokens + req.output_tokens).groupby(req.model).sum() / res.duration_s
+        runs.append({"seed": seed, "worst_attainment": float(by.admitted_attainment.min()),
+                     "worst_model": str(by.model[by.admitted_attainment.astype(float).idxmin()]),
+                     "goodput_tokens_per_s": float(res.goodput_tokens_per_s),
+                     "offered_tokens_per_s": {str(m): float(v) for m, v in offered.items()},
+                     "shed": int(by.shed.sum()), "arrivals": int(by.arrivals.sum())})
+    return {"runs": runs, "worst_attainment": min(r["worst_attainment"] for r in runs),
+            "goodput_tokens_per_s": sum(r["goodput_tokens_per_s"] for r in runs) / len(runs)}
+
+
+def cell(value) -> str:
+    """A table cell: floats to 3 decimals with thousands separators, missing as '-'."""
+    return f"{value:,.3f}" if isinstance(value, float) else ("-" if value is None else str(value))
+
+
+def report(rows: list[dict], header: tuple[str, ...], out: Path, meta: dict) -> None:
+    """Print `rows` as a '|' table and write them with `meta` as JSON to `out`."""
+    print(" | ".join(header))
+    for r in rows:
+        print(" | ".join(cell(r.get(k)) for k in header))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({**meta, "rows": rows}, indent=2, default=str))
+    print(f"wrote {out}")
