@@ -22,16 +22,16 @@ from coral_dagster.store import Store
 from coral_dagster.templates.library import build_library, load_library, store_library
 
 ROOT = Path(__file__).resolve().parent.parent
-# One model on three GPU types in two AWS regions, one L40S:1 per region: most templates fit no region.
+# One model on three GPU types in two AWS regions, four nodes of each per region: most templates fit no region.
 TINY = """name: tiny
 description: One model on L4, A10G and L40S nodes in two AWS regions (a test slice).
 regions: [aws:us-east-2, aws:ap-northeast-2]
 gpus: [L4, A10G, L40S]
 gpus_per_node: [1, 2, 4]
 models:
-  - {model: phi-4, prefill_slo_ms: 1200, decode_slo_ms: 60, trace: azure-conv, rate_req_s: 1}
+  - {model: phi-4, prefill_slo_ms: 1200, decode_slo_ms: 60, trace: azure-conv, rate_req_s: 0.5}
 availability:
-  default_nodes: 2
+  default_nodes: 4
 templates: {n_max: 3, rho: 12, slo_margin: 0.75}
 allocation: {headroom: 1.1, replan_interval_min: 6, node_startup_min: 10}
 """
