@@ -12,8 +12,8 @@ from click.testing import CliRunner
 SMALL = {"name": "small", "description": "one model on two GPU types", "regions": ["aws:us-east-2"],
          "gpus": ["L40S", "L4"], "gpus_per_node": [1, 4],
          "models": [{"model": "phi-4", "prefill_slo_ms": 1200, "decode_slo_ms": 60, "trace": "azure-conv",
-                     "rate_req_s": 1}],
-         "availability": {"default_nodes": 16}, "templates": {"n_max": 3, "rho": 12},
+                     "rate_req_s": 0.25}],
+         "availability": {"default_nodes": 32}, "templates": {"n_max": 3, "rho": 12},
          "allocation": {"headroom": 1.1, "replan_interval_min": 6, "node_startup_min": 10}}
 
 

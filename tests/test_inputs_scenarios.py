@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 from click.testing import CliRunner
-from scenario_docs import small, with_field
+from scenario_docs import SMALL, small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog.scenarios import load_scenario
@@ -18,6 +18,7 @@ from coral_dagster.store import Store
 from coral_dagster.templates.library import load_library, store_library
 
 CORE = yaml.safe_load((paths.SCENARIOS_DIR / "core.yaml").read_text())
+SMALL_RATE = SMALL["models"][0]["rate_req_s"]
 
 def _write(tmp_path, doc, name="s.yaml"):
     path = tmp_path / name
@@ -164,7 +165,7 @@ def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
 
     db = tmp_path / "c.duckdb"
     one = _write(tmp_path, small(name="core"), "one.yaml")
-    two = _write(tmp_path, with_field(small(name="core"), "models.0.rate_req_s", 0.5), "two.yml")
+    two = _write(tmp_path, with_field(small(name="core"), "models.0.rate_req_s", SMALL_RATE / 2), "two.yml")
     a, b = load_scenario(one), load_scenario(two)
     assert a.library_key == b.library_key and a.scenario_key != b.scenario_key != load_scenario("core").scenario_key
     run = lambda *args: CliRunner().invoke(main, [*args, "--db", str(db), "--json"])  # noqa: E731
@@ -180,7 +181,8 @@ def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
     assert find_plan(store, "core") is None  # the bundled core has no plan here
     # Each plan was sized from its own file: demand over its capacity factor is rate × the trace's mean tokens.
     key = ("phi-4", "decode")
-    per_rate = [p.demand_tokens_per_s[key] / p.capacity_factors[key] / rate for p, rate in ((pa, 1.0), (pb, 0.5))]
+    per_rate = [p.demand_tokens_per_s[key] / p.capacity_factors[key] / s.models[0].rate_req_s
+                for p, s in ((pa, a), (pb, b))]
     assert per_rate[0] == pytest.approx(per_rate[1])
     assert scenario_of(store, pa).path == str(one.resolve()) and scenario_of(store, pb).path == str(two.resolve())
     # Snapshots of either file are found by its own key only.
@@ -195,6 +197,6 @@ def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
     assert res.exit_code == 0, res.output
     assert [m["model"] for m in json.loads(res.output)["models"]] == ["phi-4"]
     # A file edited after planning no longer answers for the plan: a sentence, not a silent other scenario.
-    one.write_text(yaml.safe_dump(with_field(small(name="core"), "models.0.rate_req_s", 0.25)))
+    one.write_text(yaml.safe_dump(with_field(small(name="core"), "models.0.rate_req_s", SMALL_RATE / 4)))
     with pytest.raises(CoralError, match="other settings"):
         scenario_of(store, pa)
