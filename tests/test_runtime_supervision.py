@@ -42,7 +42,8 @@ def test_children_die_with_a_killed_serve_local(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         wait_for(lambda: all(gone(p) for p in pids), 20, "children still running after their parent was killed")
-        with socket.socket() as s:
+        with socket.socket() as s:  # free for a new front door (which, like uvicorn, reuses TIME_WAIT ports)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", port))
     finally:
         if proc.poll() is None:
