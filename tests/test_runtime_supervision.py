@@ -1,4 +1,5 @@
-"""No orphans, and self-healing: children die with a killed `serve local`; a killed engine is restarted."""
+"""No orphans, and self-healing: children die with a killed `serve local` or `serve engine`; a killed engine is
+restarted."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import sys
 import pytest
 
 from coral_dagster import paths
+from coral_dagster.runtime.client import Client
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, free_port, local_instances
+from coral_dagster.runtime.security import CurveKeys
 from runtime_procs import descendants, gone, kill_all, pgid, read_pids, start_helpers, wait_for
 
 pytest.importorskip("torch")
@@ -141,3 +144,97 @@ def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
             assert after["agg-0"] - before["agg-0"] == 2 and after["agg-1"] - before["agg-1"] == 2
         # The restarted engine's log follows the first one's: two start-up lines in one file.
         assert (tmp_path / f"{victim}.log").read_text().count(f"engine {victim} layers 0:12") == 2
+
+
+def _serve(*args: str, keys_env: dict[str, str]) -> subprocess.Popen:
+    """`coral serve …` as the SkyPilot tasks run it: a process of its own, its output to files."""
+    env = {**os.environ, **keys_env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(paths.REPO_ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "coral_dagster.cli.serve", *args, "--heartbeat-s", "0.2",
+                             "--dead-after-s", "1.5"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _group_leaders(pid: int) -> set[int]:
+    """Processes below `pid` that lead their own process group (the supervised node)."""
+    return {p for p in descendants(pid) if pgid(p) == p}
+
+
+def test_a_directly_started_engine_node_is_restarted_and_dies_with_its_command(tmp_path):
+    """`coral serve engine` (what a SkyPilot task runs) holds its node as a child in its own group: kill -9 of the
+    node brings a new one back into rotation; kill -9 of the command leaves no process of it behind."""
+    keys = CurveKeys.generate()
+    coord, sched = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    procs = [_serve("coordinator", "--listen", coord, "--http-port", "-1", "--model", MODEL, keys_env=keys.env()),
+             _serve("scheduler", "--instance", "agg-0", "--model", MODEL, "--split", "12", "--coordinator", coord,
+                    "--listen", sched, keys_env=keys.env())]
+    engine = _serve("engine", "--model", MODEL, "--layers", "0:12", "--stage-rank", "0", "--node", "n0",
+                    "--scheduler", sched, keys_env=keys.env())
+    procs.append(engine)
+    seen: set[int] = set()
+    expected = generate(MODEL, "on its own", 5, ignore_eos=True)
+    try:
+        with Client(coord, keys=keys, timeout_s=30) as c:
+            c.wait_ready(1, timeout_s=120)
+            (node,) = _group_leaders(engine.pid)
+            seen.add(node)
+            os.kill(node, signal.SIGKILL)
+
+            def state() -> str | None:
+                return next((i["state"] for i in c.status()["instances"] if i["instance"] == "agg-0"), None)
+
+            wait_for(lambda: state() == "unhealthy", 20, "the killed node's instance was not marked unhealthy")
+            wait_for(lambda: state() == "ready", 90, "the node did not come back after it was killed")
+            (again,) = _group_leaders(engine.pid)
+            seen |= descendants(engine.pid)
+            assert again != node and gone(node) and engine.poll() is None
+            done = c.complete(MODEL, ["on its own"], max_tokens=5, ignore_eos=True)
+            assert done[0]["kind"] == "done" and done[0]["tokens"] == list(expected.tokens)
+            engine.send_signal(signal.SIGKILL)
+            engine.wait(timeout=10)
+            wait_for(lambda: all(gone(p) for p in seen), 20, "the node outlived its killed `coral serve engine`")
+            wait_for(lambda: state() == "unhealthy", 20, "the instance stayed in rotation without its node")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+        kill_all(seen)
+
+
+SUPERVISED = """
+import sys
+from coral_dagster.runtime.groups import supervise
+from runtime_procs import start_helpers
+if __name__ == "__main__":
+    sys.exit(supervise("node", start_helpers, {"pid_file": sys.argv[1]}, restart=sys.argv[2] == "restart",
+                       backoff_s=0.2))
+"""
+
+
+@pytest.mark.parametrize("restart", ["restart", "no-restart"])
+def test_a_killed_supervised_node_takes_its_group_along(tmp_path, restart):
+    """kill -9 of the node under `groups.supervise` (what `coral serve engine` runs it with): the helpers it started
+    die with it; the node starts again, or without restarts the command exits with the node's status (128 + 9)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(paths.REPO_ROOT), str(paths.REPO_ROOT / "tests")])}
+    pid_file = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, "-c", SUPERVISED, str(pid_file), restart], env=env)
+    seen: set[int] = set()
+    try:
+        first = read_pids(pid_file)
+        (node,) = _group_leaders(proc.pid)
+        seen |= {node, *first.values()}
+        assert set(first.values()) <= descendants(node)
+        pid_file.unlink()
+        os.kill(node, signal.SIGKILL)
+        wait_for(lambda: all(gone(p) for p in seen), 20, "the killed node's helpers still running")
+        if restart == "restart":
+            second = read_pids(pid_file)
+            seen |= set(second.values())
+            assert not any(gone(p) for p in second.values()) and proc.poll() is None
+            assert set(second.values()) <= descendants(proc.pid)
+        else:
+            assert proc.wait(timeout=20) == 128 + signal.SIGKILL and not pid_file.exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        kill_all(seen)

@@ -288,3 +288,71 @@ if __name__ == "__main__":
     assert out["held"] == [list(range(0, 5)), list(range(5, 12))]
     assert "tokens" in out, out.get("error")
     assert tuple(out["tokens"]) == generate("tiny-llama", "Hello, Coral", 8, ignore_eos=True).tokens
+
+
+def test_a_directly_started_vllm_head_restarts_and_leaves_nothing_when_killed(node_env, tmp_path):
+    """`coral serve engine --engine vllm`, as sky_tasks/vllm.yaml runs it: a request over max_model_len is a 400
+    tried on one instance only; kill -9 of its node takes vLLM's engine core and workers along and a new head
+    serves again; kill -9 of the command leaves none of its processes behind."""
+    from coral_dagster.runtime.client import Client
+    from coral_dagster.runtime.security import CurveKeys
+
+    keys = CurveKeys.generate()
+    env = {**node_env, **keys.env()}
+    coral = str(Path(env["VIRTUAL_ENV"]) / "bin" / "coral")
+    coord, sched = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+
+    def serve(role: str, *args: str) -> subprocess.Popen:
+        return subprocess.Popen([coral, "serve", role, *args], env=env, cwd=ROOT, start_new_session=True,
+                                stdout=(tmp_path / f"{role}.log").open("w"), stderr=subprocess.STDOUT)
+
+    procs = [serve("coordinator", "--listen", coord, "--http-port", "-1", "--max-retries", "1"),
+             serve("scheduler", "--instance", "agg-0", "--model", "tiny-llama", "--split", "12", "--coordinator",
+                   coord, "--listen", sched)]
+    engine = serve("engine", "--engine", "vllm", "--model", "tiny-llama", "--layers", "0:12", "--stage-rank", "0",
+                   "--split", "12", "--scheduler", sched, "--vllm-port", str(free_port()), *SMALL)
+    procs.append(engine)
+    recorded: set[int] = set()
+    expected = generate("tiny-llama", "Hello, Coral", 8, ignore_eos=True).tokens
+
+    def head() -> int | None:
+        leaders = [p for p in descendants(engine.pid) if os.getpgid(p) == p]
+        return leaders[0] if len(leaders) == 1 and "VLLM::EngineCore" in _names(descendants(leaders[0])) else None
+
+    try:
+        with Client(coord, keys=keys, timeout_s=60) as c:
+            try:
+                c.wait_ready(1, timeout_s=400)
+            except Exception:
+                pytest.fail("".join(f"\n--- {p.name}\n{p.read_text()[-3000:]}" for p in tmp_path.glob("*.log")))
+            tag = c.submit("tiny-llama", "Hello, Coral", max_tokens=600)
+            final = [e for e in c.events([tag], timeout_s=120) if e["kind"] in ("done", "error")][-1]
+            assert final["kind"] == "error" and final["status"] == 400 and "max_model_len=512" in final["problem"]
+            assert len(final["instances"]) == 1, final
+
+            wait_for(lambda: head() is not None, 60, "no vLLM engine core below the node")
+            node = head()
+            helpers = descendants(node) | {node}
+            recorded |= helpers
+            assert {"VLLM::EngineCore", "VLLM::Worker"} <= _names(helpers), _names(helpers)
+            os.kill(node, signal.SIGKILL)
+            wait_for(lambda: all(gone(p) for p in helpers), 30, "vLLM's processes outlived their node")
+
+            def state() -> str | None:
+                return next((i["state"] for i in c.status()["instances"] if i["instance"] == "agg-0"), None)
+
+            wait_for(lambda: state() != "ready", 30, "the killed head's instance stayed in rotation")
+            wait_for(lambda: state() == "ready", 400, "the restarted vLLM head did not come back into rotation")
+            done = c.complete("tiny-llama", ["Hello, Coral"], max_tokens=8, ignore_eos=True, timeout_s=120)[0]
+            assert done["kind"] == "done" and tuple(done["tokens"]) == expected, done
+            everything = descendants(engine.pid)
+            recorded |= everything
+            assert head() not in helpers and "VLLM::EngineCore" in _names(everything)
+            engine.send_signal(signal.SIGKILL)
+            engine.wait(timeout=10)
+            wait_for(lambda: all(gone(p) for p in everything), 30, "processes outlived a killed `coral serve engine`")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _stop(p)
+        kill_all(recorded)

@@ -173,18 +173,23 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--vllm-port", env="VLLM_PORT", type=int, default=29501, show_default=True,
       help="vLLM: the head's torch.distributed port (vLLM's --master-port).")
 @_vllm_options
+@_opt("--restart/--no-restart", env="RESTART", default=True, show_default=True,
+      help="Restart the node, with exponential back-off, when it fails (a clean stop or a configuration error ends "
+           "the command with the node's status).")
 @_role_options
 def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, scheduler: str, listen: str,
                advertise: str, share: float, engine_kind: str, split: str, tp: int, device: str | None,
                node_rank: int, vllm_head: str, vllm_port: int, max_model_len: int, gpu_memory_utilization: float,
-               enforce_eager: bool, insecure: bool, as_json: bool, **kw: Any) -> None:
+               enforce_eager: bool, restart: bool, insecure: bool, as_json: bool, **kw: Any) -> None:
     """Hold layers [start, end) of the model, run batched forwards and pass activations to the next stage.
 
     With `--engine vllm` the node is the head of a vLLM pipeline over the instance's nodes (the whole model,
     `--split` per vLLM stage, tokens streamed); with `--node-rank` above 0 it becomes that pipeline's
-    headless worker (`vllm serve … --headless`).
+    headless worker (`vllm serve … --headless`). The node runs as a child leading its own process group, as under
+    `serve local`: that group (vLLM's engine core and workers) dies with the node and with this command.
     """
     from coral_dagster.runtime.config import NodeSettings, parse_layers, parse_split
+    from coral_dagster.runtime.groups import supervise
     from coral_dagster.runtime.roles import model_layers, run_engine, run_headless
 
     start, end = parse_layers(layers)
@@ -192,13 +197,17 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     launch = dict(tp=tp, master_addr=vllm_head, master_port=vllm_port, max_model_len=max_model_len,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
     if engine_kind == "vllm" and node_rank > 0:
-        run_headless(model, split_t, node_rank, launch)
-        return
-    settings = NodeSettings(node=node or f"{socket.gethostname()}-s{stage_rank}", model=model, start=start, end=end,
-                            n_layers=model_layers(model), stage=stage_rank, scheduler=scheduler, listen=listen,
-                            advertise=advertise, share=share, engine=engine_kind, split=split_t, tp=tp,
-                            timing=_timing(kw))
-    run_engine(settings, device, launch if engine_kind == "vllm" else None, insecure, as_json)
+        name, target, kwargs = f"vllm rank {node_rank}", run_headless, dict(
+            model=model, split=split_t, node_rank=node_rank, launch=launch)
+    else:
+        settings = NodeSettings(node=node or f"{socket.gethostname()}-s{stage_rank}", model=model, start=start,
+                                end=end, n_layers=model_layers(model), stage=stage_rank, scheduler=scheduler,
+                                listen=listen, advertise=advertise, share=share, engine=engine_kind, split=split_t,
+                                tp=tp, timing=_timing(kw))
+        name, target, kwargs = f"engine {settings.node}", run_engine, dict(
+            settings=settings, device=device, launch=launch if engine_kind == "vllm" else None, insecure=insecure,
+            as_json=as_json)
+    sys.exit(supervise(name, target, kwargs, restart=restart))
 
 
 @serve.command("local")

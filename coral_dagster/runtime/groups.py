@@ -3,10 +3,21 @@ core and workers), and that group is killed when the process exits, when it is k
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import select
 import signal
+import sys
 import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from coral_dagster.errors import CoralError
+
+# Exit codes of a supervised role: a clean stop (a drain, the scheduler gone), and a CoralError that names a fix.
+CLEAN_EXIT, CORAL_ERROR_EXIT = 0, 2
 
 
 def lead_group() -> None:
@@ -69,3 +80,92 @@ def die_with(pid: int) -> None:
         kill_group(me) if os.getpgrp() == me else os.kill(me, signal.SIGKILL)
 
     threading.Thread(target=watch, name="coral-die-with-parent", daemon=True).start()
+
+
+def restart_delay_s(restarts: int, backoff_s: float, max_backoff_s: float) -> float:
+    """The wait before a role's next start after `restarts` earlier restarts: doubling per restart, capped."""
+    return min(max_backoff_s, backoff_s * 2 ** restarts)
+
+
+def run_child(target: Callable[..., None], kwargs: dict[str, Any], parent: int, log_path: str | None = None,
+              env: dict[str, str] | None = None) -> None:
+    """Run `target(**kwargs)` (a role) in this process, logging to `log_path` (else the inherited stdout/stderr):
+    the body of every supervised process.
+
+    The process leads its own group, so that whatever it starts dies with it, and dies with `parent`; it ends by
+    `os._exit`, because multiprocessing's exit would first join children (vLLM's engine core) that wait for it, and
+    then say nothing.
+    """
+    lead_group()
+    die_with(parent)
+    if log_path is not None:
+        # Appended to, so that a restarted process's log follows the one it replaces.
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+    os.environ.update(env or {})
+    code = CLEAN_EXIT
+    try:
+        target(**kwargs)
+    except CoralError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = CORAL_ERROR_EXIT
+    except BaseException:  # noqa: BLE001 - whatever ends a role is logged before the process goes
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    kill_own_group_but_me()
+    os._exit(code)
+
+
+def supervise(name: str, target: Callable[..., None], kwargs: dict[str, Any], restart: bool = True,
+              backoff_s: float = 0.5, max_backoff_s: float = 30.0, grace_s: float = 30.0) -> int:
+    """Run the role `target(**kwargs)` as a child that leads its own group and dies with this process, as
+    `serve local` runs each of its processes; return the exit status this process should end with.
+
+    When the child exits its group is killed (vLLM's engine core and workers go with it). A child that fails
+    (killed, or an unexpected error) is started again after the back-off of `restart_delay_s`, unless `restart` is
+    off; a clean stop, or a CoralError (a configuration that a restart would not fix), ends supervision. SIGTERM
+    and SIGINT are passed on to the child, which is not restarted then (and is killed after `grace_s`).
+    """
+    ctx = multiprocessing.get_context("spawn")
+    stopping = threading.Event()
+    child: list[multiprocessing.process.BaseProcess] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stopping.set()
+        if child and child[0].pid is not None:
+            try:
+                os.kill(child[0].pid, signum)
+            except ProcessLookupError:
+                pass
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    restarts = 0
+    while True:
+        proc = ctx.Process(target=run_child, args=(target, kwargs, os.getpid()), name=name)
+        child[:] = [proc]
+        proc.start()
+        if stopping.is_set():
+            on_signal(signal.SIGTERM, None)
+        deadline = None
+        while proc.exitcode is None:
+            proc.join(0.2)
+            if stopping.is_set():
+                deadline = deadline or time.monotonic() + grace_s
+                if time.monotonic() > deadline:
+                    kill_group(proc.pid)
+        kill_group(proc.pid)
+        code = proc.exitcode
+        status = code if code >= 0 else 128 - code
+        if stopping.is_set() or not restart or code in (CLEAN_EXIT, CORAL_ERROR_EXIT):
+            return status
+        delay = restart_delay_s(restarts, backoff_s, max_backoff_s)
+        print(f"coral: {name} exited with {code}; restarting in {delay:.1f} s", file=sys.stderr, flush=True)
+        if stopping.wait(delay):
+            return status
+        restarts += 1

@@ -8,11 +8,9 @@ import multiprocessing
 import os
 import secrets
 import socket
-import sys
 import tempfile
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,37 +77,6 @@ def _process_context() -> multiprocessing.context.BaseContext:
     return ctx
 
 
-def _child(target: Callable[..., None], kwargs: dict[str, Any], log_path: str, env: dict[str, str],
-           parent: int) -> None:
-    """Run `target(**kwargs)` (a role) in this process, logging to `log_path`: the body of every local process.
-
-    The process leads its own group, so that whatever it starts dies with it; it ends by `os._exit`, because
-    multiprocessing's exit would first join children (vLLM's engine core) that wait for it, and then say nothing.
-    """
-    groups.lead_group()
-    groups.die_with(parent)
-    # Appended to, so that a restarted process's log follows the one it replaces.
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
-    os.environ.update(env)
-    code = 0
-    try:
-        target(**kwargs)
-    except CoralError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        code = 2
-    except BaseException:  # noqa: BLE001 - whatever ends a role is logged before the process goes
-        traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    sys.stderr.flush()
-    groups.kill_own_group_but_me()
-    os._exit(code)
-
-
 @dataclass
 class LocalDeployment:
     """Runs each role (`runtime/roles.py`) in its own process and process group; `stop()` ends all of them.
@@ -172,7 +139,7 @@ class LocalDeployment:
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
         ctx = multiprocessing.get_context("spawn") if own_children else _process_context()
-        proc = ctx.Process(target=_child, args=(target, kwargs, str(log_path), env, os.getpid()), name=name,
+        proc = ctx.Process(target=groups.run_child, args=(target, kwargs, os.getpid(), str(log_path), env), name=name,
                            daemon=not own_children)
         proc.start()
         self.procs[name] = proc
@@ -251,7 +218,7 @@ class LocalDeployment:
                     continue
                 if name not in due:
                     n = self.restarts.get(name, 0)
-                    due[name] = now + min(self.max_backoff_s, self.backoff_s * 2 ** n)
+                    due[name] = now + groups.restart_delay_s(n, self.backoff_s, self.max_backoff_s)
                     log.warning("%s exited with %s; restarting in %.1f s", name, proc.exitcode, due[name] - now)
                 elif now >= due[name]:
                     del due[name]

@@ -129,6 +129,10 @@ class VllmEngine:
         if not tokens:
             raise ValueError(f"request {rid}: the prompt is empty")
         self.check_step(Step(rid, 0, tokens=np.asarray(prompt)))
+        if len(tokens) + max_tokens > self.max_context:
+            # vLLM would stop at max_model_len short of max_tokens, and the scheduler wait for tokens never sent.
+            raise ValueError(f"request {rid}: {len(tokens)} prompt tokens + {max_tokens=} exceed vLLM's "
+                             f"max_model_len={self.max_context}")
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                                 output_kind=RequestOutputKind.DELTA)
         self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)

@@ -17,12 +17,16 @@ class VllmNode(EngineNode):
 
     def _run_batch(self, batch: list[tuple[dict[str, Any], Step]]) -> None:
         for h, step in batch:
+            if step.pos != 0 or step.tokens is None or not isinstance(h.get("max_tokens"), int):
+                self._error(step.rid, f"a vLLM instance takes each request once, from position 0, with max_tokens "
+                                      f"(got position {step.pos}, max_tokens {h.get('max_tokens')!r})")
+                continue
             try:
-                if step.pos != 0 or step.tokens is None:
-                    raise ValueError(f"a vLLM instance takes each request once, from position 0 (got {step.pos})")
-                self.engine.submit(step.rid, step.tokens, int(h["max_tokens"]))
-            except (KeyError, TypeError, ValueError) as exc:
-                self._error(step.rid, f"vLLM did not take the request: {exc}")
+                self.engine.submit(step.rid, step.tokens, h["max_tokens"])
+            except (TypeError, ValueError) as exc:
+                # vLLM's own checks (token ids, prompt and max_tokens against max_model_len) fault the request
+                # itself: a 4xx, not retried on another instance.
+                self._error(step.rid, f"vLLM did not take the request: {exc}", 400)
         self.steps_run += 1
 
     def _advance(self) -> bool:
