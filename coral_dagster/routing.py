@@ -138,22 +138,22 @@ def plan_shares(plan) -> dict[str, dict[str, float]]:
 
 
 class Admission:
-    """Admission control under scarcity: a token bucket per model at the request rate the plan serves, holding
-    `burst_s` seconds of it (full at the start); a request that finds the bucket empty is shed at once (the front
+    """Admission control under scarcity: a token bucket per model refilling at the request rate the plan serves and
+    holding `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s` seconds of the
+    rate where none is given), full at the start; a request that finds the bucket empty is shed at once (the front
     door answers 429 with Retry-After), so the admitted ones keep their SLO. Models without a rate are always
     admitted."""
 
-    def __init__(self, rates_req_s: Mapping[str, float], burst_s: float = 10.0) -> None:
+    def __init__(self, rates_req_s: Mapping[str, float], depths_req: Mapping[str, float] | None = None,
+                 burst_s: float = 10.0) -> None:
         self.rates = {m: float(r) for m, r in rates_req_s.items() if r >= 0}
-        self.burst_s = burst_s
-        self._tokens = {m: max(1.0, r * burst_s) for m, r in self.rates.items()}
+        self.depths = {m: max(1.0, float((depths_req or {}).get(m, r * burst_s))) for m, r in self.rates.items()}
+        self._tokens = dict(self.depths)
         self._last: dict[str, float] = {}
 
     def _refill(self, model: str, now_s: float) -> float:
-        rate = self.rates[model]
-        cap = max(1.0, rate * self.burst_s)
         last = self._last.get(model, now_s)
-        self._tokens[model] = min(cap, self._tokens[model] + max(0.0, now_s - last) * rate)
+        self._tokens[model] = min(self.depths[model], self._tokens[model] + max(0.0, now_s - last) * self.rates[model])
         self._last[model] = max(last, now_s)
         return self._tokens[model]
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
@@ -77,6 +77,8 @@ class CoordinatorConfig:
     timing: Timing = field(default_factory=Timing)
     # Requests/s admitted per model (a plan under scarcity); the rest are shed with 429 (`routing.Admission`).
     admit_req_s: dict[str, float] = field(default_factory=dict)
+    # Token-bucket depth (requests) per admitted model, the plan's `admit_depth_req` (10 s of the rate if absent).
+    admit_depth_req: dict[str, float] = field(default_factory=dict)
     # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
     http_read_timeout_s: float = 10.0
     http_max_body_bytes: int = 4 << 20
@@ -136,17 +138,27 @@ class NodeSettings:
             raise CoralError(f"{self.share=} must be positive.", "pass the node's share of its stage's load")
 
 
-def parse_admit(text: str) -> dict[str, float]:
-    """`model=rate,…` (requests/s admitted per model) as a dict; empty text admits everything."""
-    out = {}
+def parse_admit(text: str) -> tuple[dict[str, float], dict[str, float]]:
+    """`model=rate[:depth],…` (requests/s admitted per model, bucket depth in requests) as rates and depths; empty
+    text admits everything."""
+    rates, depths = {}, {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        model, sep, rate = part.partition("=")
+        model, sep, value = part.partition("=")
+        rate, colon, depth = value.partition(":")
         try:
-            value = float(rate)
+            numbers = [float(rate)] + ([float(depth)] if colon else [])
         except ValueError:
-            value = math.nan
-        if not sep or not model or not math.isfinite(value) or value < 0:
-            raise CoralError(f"admission entry {part!r} is not model=rate.",
-                             "write e.g. --admit phi-4=4.5,qwen3-32b=2 (requests/s, finite, >= 0)")
-        out[model.strip()] = value
-    return out
+            numbers = [math.nan]
+        if not sep or not model.strip() or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise CoralError(f"admission entry {part!r} is not model=rate or model=rate:depth.",
+                             "write e.g. --admit phi-4=4.5:800,qwen3-32b=2 (requests/s and bucket depth in "
+                             "requests, finite, >= 0)")
+        rates[model.strip()] = numbers[0]
+        if colon:
+            depths[model.strip()] = numbers[1]
+    return rates, depths
+
+
+def format_admit(rates: Mapping[str, float], depths: Mapping[str, float]) -> str:
+    """The `--admit` text `parse_admit` reads back: `model=rate[:depth]` per model, sorted."""
+    return ",".join(f"{m}={rates[m]!r}" + (f":{depths[m]!r}" if m in depths else "") for m in sorted(rates))
