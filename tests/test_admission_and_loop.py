@@ -130,13 +130,18 @@ def test_coordinator_sheds_the_same_requests_with_429():
         ctx.term()
 
 
-def test_the_plan_admission_reaches_the_coordinator_task_and_reads_back():
-    """deploy writes the plan's rates and depths into the coordinator's CORAL_ADMIT, which `--admit` parses back
-    exactly; a malformed entry is a CoralError naming the form."""
+def test_the_plan_admission_is_stored_reaches_the_coordinator_task_and_reads_back(tmp_path):
+    """The plan's rates and depths survive the store (detail_json); deploy writes them into the coordinator's
+    CORAL_ADMIT, which `--admit` parses back exactly; a malformed entry is a CoralError naming the form."""
+    from coral_dagster.allocation.storage import load_plan, store_plan
     from coral_dagster.deploy.spec import build_coordinator
     from coral_dagster.runtime.config import parse_admit
+    from coral_dagster.store import Store
 
-    plan = _aggregated_plan({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0})
+    store = Store(str(tmp_path / "admit.duckdb"))
+    stored = store_plan(store, _aggregated_plan({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}), "r", {})
+    plan = load_plan(store, stored.plan_id)
+    assert (plan.admit_req_s, plan.admit_depth_req) == ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0})
     envs = dict(build_coordinator("p1", "r", (), plan).envs)
     assert parse_admit(envs["CORAL_ADMIT"]) == ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0})
     assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), _aggregated_plan({})).envs)
