@@ -20,13 +20,14 @@ from coral_dagster.templates.types import Stage, Template
 L40S = NodeConfig.parse("L40S:1")
 
 
-def _aggregated_plan(admit: dict[str, float], depth: dict[str, float] | None = None, served: float = 0.0) -> Plan:
+def _aggregated_plan(admit: dict[str, float], depth: dict[str, float] | None = None, served: float = 0.0,
+                     factors: dict[tuple[str, str], float] | None = None) -> Plan:
     t = Template("phi-4", "aggregated", 60.0, NodeMultiset.of([L40S]), (Stage(0, 40, (L40S,), (1.0,)),), 1e6,
                  "compute")
     return Plan("test", "coral", "scaled", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(t, "r", 1, 1.0),),
                 {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0},
                 {("phi-4", "prefill"): served, ("phi-4", "decode"): served} if served else {}, admit_req_s=admit,
-                admit_depth_req=depth or {})
+                admit_depth_req=depth or {}, capacity_factors=factors or {})
 
 
 def _simulate(plan: Plan, arrivals: np.ndarray):
@@ -70,30 +71,39 @@ def _largest_backlog(arrivals: np.ndarray, rate: float) -> float:
 
 @pytest.mark.parametrize("share", [0.5, 0.76])
 def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_shed(share):
-    """A plan serving `share` of phi-4's 10 req/s on the Azure conversation trace: the trace as the simulator
-    replays it (three starting rows, one loop each), thinned to the share, is never shed, and the depth is within
-    rounding of that stream's largest backlog over two loops (every stretch of the looped trace); a stream at 2× the admitted rate for 3,000 s is shed down to
-    the rate (the bucket's closed form: depth + rate × span, to one request)."""
+    """A plan serving `share` of phi-4's 10 req/s on the Azure conversation trace (capacity factors 4 and 6): the
+    trace as the simulator replays it (three starting rows, one loop each), thinned to the share, is never shed, and
+    each bucket's depth is within rounding of that stream's largest backlog over two loops (every stretch of the
+    looped trace) against its rate; a stream at 2× the admitted rate for 3,000 s is shed down to the rate (the
+    bucket's closed form: depth + rate × span, to one request); a burst far above the request rate the plan's
+    capacity carries (4× the admitted rate) is cut to it (peak depth + peak rate × span)."""
     from coral_dagster.allocation.capacity import trace_period_s
     from coral_dagster.allocation.planner import with_admission
     from coral_dagster.simulator.workload import ModelLoad, make_workload
 
-    plan = with_admission(_aggregated_plan({}, served=share), {"phi-4": 10.0}, {"phi-4": "azure-conv"})
+    factors = {("phi-4", "prefill"): 4.0, ("phi-4", "decode"): 6.0}
+    plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0},
+                          {"phi-4": "azure-conv"})
     rate, depth = plan.admit_req_s["phi-4"], plan.admit_depth_req["phi-4"]
-    assert rate == pytest.approx(10.0 * share)
+    peak_rate, peak_depth = plan.admit_peak["phi-4"]
+    assert rate == pytest.approx(10.0 * share) and peak_rate == pytest.approx(4.0 * rate)
     period_s = trace_period_s("azure-conv", 10.0)
-    worst = 0.0
+    worst, worst_peak = 0.0, 0.0
     for seed in (0, 1, 2):
         trace = make_workload([ModelLoad("phi-4", "azure-conv", 10.0)], 2 * period_s, seed).arrival_s
         thinned = _thinned(trace, share)
         assert not (_simulate(plan, thinned[thinned < period_s]) == "shed").any()
         worst = max(worst, _largest_backlog(thinned, rate))
-    assert worst <= depth <= worst + 3.0
+        worst_peak = max(worst_peak, _largest_backlog(thinned, peak_rate))
+    assert worst <= depth <= worst + 3.0 and worst_peak <= peak_depth <= worst_peak + 3.0
     overload = np.sort(np.random.default_rng(5).uniform(0, 3000.0, int(2 * rate * 3000.0)))
     status = _simulate(plan, overload)
     admitted = int((status != "shed").sum())
     assert admitted == pytest.approx(depth + rate * overload[-1], abs=1.0)
     assert admitted / overload[-1] == pytest.approx(rate, rel=depth / (rate * overload[-1]) + 0.01)
+    burst = np.linspace(0.0, 10.0, 2001)
+    admitted = int((_simulate(plan, burst) != "shed").sum())
+    assert admitted == pytest.approx(min(depth, peak_depth + peak_rate * 10.0), abs=1.0)
 
 
 def test_traffic_at_the_planned_rate_is_never_shed():
@@ -111,10 +121,12 @@ def test_coordinator_sheds_the_same_requests_with_429():
     from coral_dagster.runtime.coordinator import Coordinator
 
     arrivals = np.sort(np.random.default_rng(4).uniform(0, 60, 900))
-    simulated = _simulate(_aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0}), arrivals) == "shed"
+    plan = replace(_aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0}), admit_peak={"phi-4": (12.0, 4.0)})
+    simulated = _simulate(plan, arrivals) == "shed"
     ctx = zmq.Context()
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", http_port=None, admit_req_s={"phi-4": 5.0},
-                                          admit_depth_req={"phi-4": 40.0}), insecure=True, ctx=ctx)
+                                          admit_depth_req={"phi-4": 40.0}, admit_peak={"phi-4": (12.0, 4.0)}),
+                        insecure=True, ctx=ctx)
     errors = []
     coord._finish_error = lambda r, problem, fix, status, **extra: errors.append((r.rid, status, extra))
     coord._dispatch = lambda r, now: None
@@ -139,13 +151,14 @@ def test_the_plan_admission_is_stored_reaches_the_coordinator_task_and_reads_bac
     from coral_dagster.store import Store
 
     store = Store(str(tmp_path / "admit.duckdb"))
-    stored = store_plan(store, _aggregated_plan({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}), "r", {})
-    plan = load_plan(store, stored.plan_id)
-    assert (plan.admit_req_s, plan.admit_depth_req) == ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0})
+    admission = ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}, {"phi-4": (18.8, 9.0)})
+    made = replace(_aggregated_plan(admission[0], admission[1]), admit_peak=admission[2])
+    plan = load_plan(store, store_plan(store, made, "r", {}).plan_id)
+    assert (plan.admit_req_s, plan.admit_depth_req, plan.admit_peak) == admission
     envs = dict(build_coordinator("p1", "r", (), plan).envs)
-    assert parse_admit(envs["CORAL_ADMIT"]) == ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0})
+    assert parse_admit(envs["CORAL_ADMIT"]) == admission
     assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), _aggregated_plan({})).envs)
-    for bad in ("phi-4", "phi-4=x", "phi-4=1:-2", "=3"):
+    for bad in ("phi-4", "phi-4=x", "phi-4=1:-2", "=3", "phi-4=1:2:3"):
         with pytest.raises(CoralError, match="model=rate"):
             parse_admit(bad)
 
