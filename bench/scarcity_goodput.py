@@ -5,16 +5,19 @@ For each scenario, availability level and mode (uniform `scale`, max-min `fair`)
 serve; the router admits per model only the request rate the plan serves and sheds the rest (429); the plan is
 simulated on the scenario's own traces (one window per seed). Goodput is tokens/s of requests meeting both SLOs;
 "fluid" is what the plan promises: each model's served share of its requests (`fluid_goodput`) times the tokens/s
-the simulation offered of it. The ratios Coral/Cauchy and Coral/Homo are of simulated goodput (paper, extended:
-2.39× and 7.64×). Prints a table and writes bench/results/scarcity_goodput.json.
+the simulation offered of it. The admission bucket holds each model's trace bursts (`admit_depth_req`); with
+`--ablate-depth` the same plan is also simulated with a bucket of 10 s of its rate (`*_10s_bucket` columns). The
+ratios Coral/Cauchy and Coral/Homo are of simulated goodput (paper, extended: 2.39× and 7.64×).
+Prints a table and writes bench/results/scarcity_goodput.json.
 
     python -m bench.scarcity_goodput [--scenarios core,extended] [--levels 0.5,0.25,0.15] [--modes scale,fair]
-        [--methods coral,homo,homo-ilp,cauchy] [--seeds 11,12] [--duration-s 300]
+        [--methods coral,homo,homo-ilp,cauchy] [--seeds 11,12] [--duration-s 300] [--ablate-depth]
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from bench._args import RESULTS, bench_parser, evaluate, names, report
 from coral_dagster.allocation.goodput import fluid_goodput
@@ -43,6 +46,11 @@ def row_for(scn, templates, level, mode, method, args, seeds) -> dict:
                simulated_over_fluid=ev["goodput_tokens_per_s"] / promised if promised else None,
                shed=sum(r["shed"] for r in ev["runs"]), arrivals=sum(r["arrivals"] for r in ev["runs"]),
                worst_admitted_attainment=ev["worst_attainment"])
+    if args.ablate_depth and plan.admit_depth_req:
+        old = evaluate(replace(plan, admit_depth_req={}, admit_peak={}), scn, seeds, args.duration_s)
+        row.update(simulated_over_fluid_10s_bucket=old["goodput_tokens_per_s"] / promised if promised else None,
+                   shed_10s_bucket=sum(r["shed"] for r in old["runs"]),
+                   worst_admitted_attainment_10s_bucket=old["worst_attainment"])
     return row
 
 
@@ -50,6 +58,8 @@ def main() -> None:
     ap = bench_parser(__doc__, duration_s=300.0)
     ap.add_argument("--levels", default="0.5,0.25,0.15")
     ap.add_argument("--modes", default="scale,fair")
+    ap.add_argument("--ablate-depth", action="store_true",
+                    help="also simulate each plan with a bucket of 10 s of its rate instead of its trace's bursts")
     ap.set_defaults(seeds="11,12")
     args = ap.parse_args()
     seeds = [int(s) for s in names(args.seeds)]
@@ -70,7 +80,8 @@ def main() -> None:
             r["coral_over_method"] = coral["simulated_goodput_tokens_per_s"] / r["simulated_goodput_tokens_per_s"]
     header = ("scenario", "availability_scale", "mode", "method", "status", "usd_per_hour", "plan_s",
               "fluid_goodput_tokens_per_s", "simulated_goodput_tokens_per_s", "simulated_over_fluid",
-              "coral_over_method", "shed", "arrivals", "worst_admitted_attainment")
+              "coral_over_method", "shed", "arrivals", "worst_admitted_attainment", "simulated_over_fluid_10s_bucket",
+              "shed_10s_bucket", "worst_admitted_attainment_10s_bucket")
     report(rows, header, args.out or RESULTS / "scarcity_goodput.json",
            {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
 

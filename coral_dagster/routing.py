@@ -138,36 +138,43 @@ def plan_shares(plan) -> dict[str, dict[str, float]]:
 
 
 class Admission:
-    """Admission control under scarcity: a token bucket per model at the request rate the plan serves, holding
-    `burst_s` seconds of it (full at the start); a request that finds the bucket empty is shed at once (the front
-    door answers 429 with Retry-After), so the admitted ones keep their SLO. Models without a rate are always
-    admitted."""
+    """Admission control under scarcity: per model a token bucket refilling at the request rate the plan serves and
+    holding `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s` seconds of the
+    rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at the request rate the
+    plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it. Buckets
+    start full; a request that finds a bucket empty is shed at once (the front door answers 429 with Retry-After),
+    so the admitted ones keep their SLO. Models without a rate are always admitted."""
 
-    def __init__(self, rates_req_s: Mapping[str, float], burst_s: float = 10.0) -> None:
+    def __init__(self, rates_req_s: Mapping[str, float], depths_req: Mapping[str, float] | None = None,
+                 peaks: Mapping[str, Sequence[float]] | None = None, burst_s: float = 10.0) -> None:
         self.rates = {m: float(r) for m, r in rates_req_s.items() if r >= 0}
-        self.burst_s = burst_s
-        self._tokens = {m: max(1.0, r * burst_s) for m, r in self.rates.items()}
+        self.depths = {m: max(1.0, float((depths_req or {}).get(m, r * burst_s))) for m, r in self.rates.items()}
+        peaks = peaks or {}
+        self._buckets = {m: [(r, self.depths[m])] + ([(float(peaks[m][0]), max(1.0, float(peaks[m][1])))]
+                                                      if m in peaks else []) for m, r in self.rates.items()}
+        self._tokens = {m: [d for _, d in b] for m, b in self._buckets.items()}
         self._last: dict[str, float] = {}
 
-    def _refill(self, model: str, now_s: float) -> float:
-        rate = self.rates[model]
-        cap = max(1.0, rate * self.burst_s)
+    def _refill(self, model: str, now_s: float) -> list[float]:
         last = self._last.get(model, now_s)
-        self._tokens[model] = min(cap, self._tokens[model] + max(0.0, now_s - last) * rate)
+        elapsed = max(0.0, now_s - last)
+        self._tokens[model] = [min(d, t + elapsed * r) for (r, d), t in zip(self._buckets[model], self._tokens[model])]
         self._last[model] = max(last, now_s)
         return self._tokens[model]
 
     def admit(self, model: str, now_s: float) -> bool:
-        """Take one request's token if the model's bucket has one."""
+        """Take one request's token from each of the model's buckets if every one has one."""
         if model not in self.rates:
             return True
-        if self._refill(model, now_s) >= 1.0:
-            self._tokens[model] -= 1.0
+        if min(self._refill(model, now_s)) >= 1.0:
+            self._tokens[model] = [t - 1.0 for t in self._tokens[model]]
             return True
         return False
 
     def retry_after_s(self, model: str, now_s: float) -> float:
-        """Seconds until the model's bucket holds a token again."""
-        rate = self.rates.get(model, 0.0)
-        missing = 1.0 - self._refill(model, now_s) if model in self.rates else 0.0
-        return max(0.0, missing) / rate if rate > 0 else 60.0
+        """Seconds until every one of the model's buckets holds a token again."""
+        if model not in self.rates:
+            return 0.0
+        waits = [max(0.0, 1.0 - t) / r if r > 0 else (60.0 if t < 1.0 else 0.0)
+                 for (r, _), t in zip(self._buckets[model], self._refill(model, now_s))]
+        return max(waits)

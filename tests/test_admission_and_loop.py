@@ -20,11 +20,14 @@ from coral_dagster.templates.types import Stage, Template
 L40S = NodeConfig.parse("L40S:1")
 
 
-def _aggregated_plan(admit: dict[str, float]) -> Plan:
+def _aggregated_plan(admit: dict[str, float], depth: dict[str, float] | None = None, served: float = 0.0,
+                     factors: dict[tuple[str, str], float] | None = None) -> Plan:
     t = Template("phi-4", "aggregated", 60.0, NodeMultiset.of([L40S]), (Stage(0, 40, (L40S,), (1.0,)),), 1e6,
                  "compute")
     return Plan("test", "coral", "scaled", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(t, "r", 1, 1.0),),
-                {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0}, {}, admit_req_s=admit)
+                {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0},
+                {("phi-4", "prefill"): served, ("phi-4", "decode"): served} if served else {}, admit_req_s=admit,
+                admit_depth_req=depth or {}, capacity_factors=factors or {})
 
 
 def _simulate(plan: Plan, arrivals: np.ndarray):
@@ -38,17 +41,69 @@ def _simulate(plan: Plan, arrivals: np.ndarray):
     return np.array(FAILURES, dtype=object)[out.status]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_overload_is_shed_down_to_exactly_the_planned_rate(seed):
+@pytest.mark.parametrize("seed, depth", [(0, None), (1, None), (2, 120.0)])
+def test_overload_is_shed_down_to_exactly_the_planned_rate(seed, depth):
     """Poisson at 3× the admitted rate for 200 s: admitted + shed = arrivals, and the bucket admits its rate
-    times the span plus its burst, to one request."""
-    rate, burst_s = 5.0, 10.0
+    times the span plus its depth (the plan's, else 10 s of the rate), to one request."""
+    rate = 5.0
     arrivals = np.sort(np.random.default_rng(seed).uniform(0, 200, 3000))
-    status = _simulate(_aggregated_plan({"phi-4": rate}), arrivals)
+    status = _simulate(_aggregated_plan({"phi-4": rate}, {"phi-4": depth} if depth else None), arrivals)
     shed = int((status == "shed").sum())
     admitted = len(status) - shed
     assert admitted + shed == len(arrivals) and shed > 0
-    assert admitted == pytest.approx(rate * arrivals[-1] + rate * burst_s, abs=1.0)
+    assert admitted == pytest.approx(rate * arrivals[-1] + (depth or rate * 10.0), abs=1.0)
+
+
+def _thinned(arrivals: np.ndarray, share: float) -> np.ndarray:
+    """The stream thinned evenly to `share` of its requests (every request whose index crosses a multiple of
+    1/share), so any run of k consecutive requests keeps within one of share × k."""
+    k = np.arange(len(arrivals))
+    return arrivals[np.floor((k + 1) * share) > np.floor(k * share)]
+
+
+def _largest_backlog(arrivals: np.ndarray, rate: float) -> float:
+    """Independently of the code: the most requests any stretch [a_i, a_j] holds above `rate` × its length, by
+    a prefix minimum over the stretch starts (j + 1 − rate·a_j) − (i − rate·a_i)."""
+    k = np.arange(len(arrivals))
+    end = k + 1 - rate * arrivals
+    return float(np.max(end - np.minimum.accumulate(k - rate * arrivals)))
+
+
+@pytest.mark.parametrize("share", [0.5, 0.76])
+def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_shed(share):
+    """A plan serving `share` of phi-4's 10 req/s on the Azure conversation trace (capacity factors 4 and 6): the
+    trace as the simulator replays it (three starting rows, one loop each), thinned to the share, is never shed, and
+    each bucket's depth is within rounding of that stream's largest backlog over two loops (every stretch of the
+    looped trace) against its rate; a stream at 2× the admitted rate for 3,000 s is shed down to the rate (the
+    bucket's closed form: depth + rate × span, to one request); a burst far above the request rate the plan's
+    capacity carries (4× the admitted rate) is cut to it (peak depth + peak rate × span)."""
+    from coral_dagster.allocation.capacity import trace_period_s
+    from coral_dagster.allocation.planner import with_admission
+    from coral_dagster.simulator.workload import ModelLoad, make_workload
+
+    factors = {("phi-4", "prefill"): 4.0, ("phi-4", "decode"): 6.0}
+    plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0},
+                          {"phi-4": "azure-conv"})
+    rate, depth = plan.admit_req_s["phi-4"], plan.admit_depth_req["phi-4"]
+    peak_rate, peak_depth = plan.admit_peak["phi-4"]
+    assert rate == pytest.approx(10.0 * share) and peak_rate == pytest.approx(4.0 * rate)
+    period_s = trace_period_s("azure-conv", 10.0)
+    worst, worst_peak = 0.0, 0.0
+    for seed in (0, 1, 2):
+        trace = make_workload([ModelLoad("phi-4", "azure-conv", 10.0)], 2 * period_s, seed).arrival_s
+        thinned = _thinned(trace, share)
+        assert not (_simulate(plan, thinned[thinned < period_s]) == "shed").any()
+        worst = max(worst, _largest_backlog(thinned, rate))
+        worst_peak = max(worst_peak, _largest_backlog(thinned, peak_rate))
+    assert worst <= depth <= worst + 3.0 and worst_peak <= peak_depth <= worst_peak + 3.0
+    overload = np.sort(np.random.default_rng(5).uniform(0, 3000.0, int(2 * rate * 3000.0)))
+    status = _simulate(plan, overload)
+    admitted = int((status != "shed").sum())
+    assert admitted == pytest.approx(depth + rate * overload[-1], abs=1.0)
+    assert admitted / overload[-1] == pytest.approx(rate, rel=depth / (rate * overload[-1]) + 0.01)
+    burst = np.linspace(0.0, 10.0, 2001)
+    admitted = int((_simulate(plan, burst) != "shed").sum())
+    assert admitted == pytest.approx(min(depth, peak_depth + peak_rate * 10.0), abs=1.0)
 
 
 def test_traffic_at_the_planned_rate_is_never_shed():
@@ -66,9 +121,11 @@ def test_coordinator_sheds_the_same_requests_with_429():
     from coral_dagster.runtime.coordinator import Coordinator
 
     arrivals = np.sort(np.random.default_rng(4).uniform(0, 60, 900))
-    simulated = _simulate(_aggregated_plan({"phi-4": 5.0}), arrivals) == "shed"
+    plan = replace(_aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0}), admit_peak={"phi-4": (12.0, 4.0)})
+    simulated = _simulate(plan, arrivals) == "shed"
     ctx = zmq.Context()
-    coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", http_port=None, admit_req_s={"phi-4": 5.0}),
+    coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", http_port=None, admit_req_s={"phi-4": 5.0},
+                                          admit_depth_req={"phi-4": 40.0}, admit_peak={"phi-4": (12.0, 4.0)}),
                         insecure=True, ctx=ctx)
     errors = []
     coord._finish_error = lambda r, problem, fix, status, **extra: errors.append((r.rid, status, extra))
@@ -83,6 +140,27 @@ def test_coordinator_sheds_the_same_requests_with_429():
         coord.router.close(linger=0)
         coord.front.close(linger=0)
         ctx.term()
+
+
+def test_the_plan_admission_is_stored_reaches_the_coordinator_task_and_reads_back(tmp_path):
+    """The plan's rates and depths survive the store (detail_json); deploy writes them into the coordinator's
+    CORAL_ADMIT, which `--admit` parses back exactly; a malformed entry is a CoralError naming the form."""
+    from coral_dagster.allocation.storage import load_plan, store_plan
+    from coral_dagster.deploy.spec import build_coordinator
+    from coral_dagster.runtime.config import parse_admit
+    from coral_dagster.store import Store
+
+    store = Store(str(tmp_path / "admit.duckdb"))
+    admission = ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}, {"phi-4": (18.8, 9.0)})
+    made = replace(_aggregated_plan(admission[0], admission[1]), admit_peak=admission[2])
+    plan = load_plan(store, store_plan(store, made, "r", {}).plan_id)
+    assert (plan.admit_req_s, plan.admit_depth_req, plan.admit_peak) == admission
+    envs = dict(build_coordinator("p1", "r", (), plan).envs)
+    assert parse_admit(envs["CORAL_ADMIT"]) == admission
+    assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), _aggregated_plan({})).envs)
+    for bad in ("phi-4", "phi-4=x", "phi-4=1:-2", "=3", "phi-4=1:2:3"):
+        with pytest.raises(CoralError, match="model=rate"):
+            parse_admit(bad)
 
 
 def test_bucket_retry_after_is_the_time_to_the_next_token():

@@ -133,3 +133,17 @@ def scenario_capacity(scenario, rates=None, boost=None) -> dict[tuple[str, str],
                 cap = replace(cap, factor=cap.factor * extra)
             out[(m.model, phase)] = cap
     return out
+
+
+@lru_cache(maxsize=256)
+def admission_depth_req(trace: str, rate_req_s: float, share: float, refill_req_s: float) -> float:
+    """The token-bucket depth (requests) at which the trace replayed at `rate_req_s` (looped twice, as the rule
+    loops it), thinned to `share` of its requests, is never shed by a bucket refilling at `refill_req_s`: the
+    largest backlog of that thinned stream, each arrival counting `share` of a request, against the refill rate
+    (Lindley's recursion via `fluid_waits`), plus one request for the rounding of a thinning to whole requests."""
+    arrival, _, _, _ = _stream(trace, rate_req_s)
+    refill = refill_req_s
+    if refill <= 0:
+        return 1.0
+    backlog = fluid_waits(arrival, np.full(len(arrival), share), refill) * refill + share
+    return float(np.ceil(backlog.max())) + 1.0

@@ -153,15 +153,28 @@ def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
             f"ILP ({how}) over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest {rest})")
 
 
-def with_admission(plan: Plan, rates: Mapping[str, float]) -> Plan:
+def with_admission(plan: Plan, rates: Mapping[str, float], traces: Mapping[str, str] | None = None) -> Plan:
     """The plan with admission rates for the models it serves less than their demand of: the request rate times
-    the share of both phases it serves (`routing.Admission` sheds the rest)."""
+    the share of both phases it serves (`routing.Admission` sheds the rest), and per model whose trace is given the
+    bucket depth at which that trace thinned to the share is never shed (`capacity.admission_depth_req`): the plan
+    was sized for the trace's bursts, so the bucket admits them and sheds only overload sustained past them. A
+    second bucket refills at the request rate the plan's capacity carries (the rate times the least served share ×
+    capacity factor over the phases), as deep as that thinned trace needs against it, so an admitted burst arrives
+    no faster than the plan serves it."""
     from dataclasses import replace
 
+    from coral_dagster.allocation.capacity import admission_depth_req
+
     served = plan.served_fraction()
-    admit = {}
+    admit, depth, peak = {}, {}, {}
     for model, rate in rates.items():
         share = min([served.get((model, p), 1.0) for p in ("prefill", "decode")])
         if share < 1.0 - 1e-9:
             admit[model] = rate * share
-    return replace(plan, admit_req_s=admit) if admit else plan
+            if (traces or {}).get(model) and share > 0 and rate > 0:
+                trace, rate, share = traces[model], float(rate), float(share)
+                depth[model] = admission_depth_req(trace, rate, share, rate * share)
+                carried = rate * min(served.get((model, p), 1.0) * plan.capacity_factors.get((model, p), 1.0)
+                                     for p in ("prefill", "decode"))
+                peak[model] = (carried, admission_depth_req(trace, rate, share, carried))
+    return replace(plan, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak) if admit else plan

@@ -54,7 +54,9 @@ def plan_frames(plan: Plan, plan_id: str, run_id: str, inputs: Mapping[str, Any]
         "bottlenecks": [b.as_dict() for b in plan.bottlenecks], "pruning": plan.pruning,
         "timings_s": dict(plan.timings_s), "notes": list(plan.notes),
         "capacity_factors": {_key(k): v for k, v in sorted(plan.capacity_factors.items())},
-        "admit_req_s": dict(plan.admit_req_s), "expected_attainment": dict(plan.expected_attainment),
+        "admit_req_s": dict(plan.admit_req_s), "admit_depth_req": dict(plan.admit_depth_req),
+        "admit_peak": {m: list(v) for m, v in plan.admit_peak.items()},
+        "expected_attainment": dict(plan.expected_attainment),
         "expected_from": plan.expected_from,
     }
     row = {"plan_id": plan_id, "run_id": run_id, "created_at": pd.Timestamp(created_at),
@@ -135,7 +137,9 @@ def load_plan(store, plan_id: str) -> Plan:
         pruning=detail["pruning"], snapshot_id=row["snapshot_id"], timings_s=detail["timings_s"],
         plan_id=str(row["plan_id"]),
         capacity_factors={_unkey(k): v for k, v in detail.get("capacity_factors", {}).items()},
-        admit_req_s=detail.get("admit_req_s", {}), expected_attainment=detail.get("expected_attainment", {}),
+        admit_req_s=detail.get("admit_req_s", {}), admit_depth_req=detail.get("admit_depth_req", {}),
+        admit_peak={m: tuple(v) for m, v in detail.get("admit_peak", {}).items()},
+        expected_attainment=detail.get("expected_attainment", {}),
         expected_from=detail.get("expected_from", ""),
         scenario_key="" if pd.isna(row.get("scenario_key")) else str(row.get("scenario_key")),
     )

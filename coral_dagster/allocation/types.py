@@ -92,6 +92,10 @@ class Plan:
     plan_id: str = ""
     capacity_factors: Mapping[tuple[str, str], float] = field(default_factory=dict)
     admit_req_s: Mapping[str, float] = field(default_factory=dict)
+    # Token-bucket depth (requests) per admitted model: the burst of its own trace the plan carries.
+    admit_depth_req: Mapping[str, float] = field(default_factory=dict)
+    # Per admitted model, the second bucket (request rate the plan's capacity carries, depth in requests).
+    admit_peak: Mapping[str, tuple[float, float]] = field(default_factory=dict)
     expected_attainment: Mapping[str, float] = field(default_factory=dict)
     expected_from: str = ""
     # The scenario contents it was planned for (`Scenario.scenario_key`): what "latest" is looked up by.
@@ -163,7 +167,8 @@ class Plan:
                        for (m, p), d in sorted(self.demand_tokens_per_s.items())},
             "routing_shares": self.routing_shares,
             "capacity_factors": {f"{m}/{p}": f for (m, p), f in sorted(self.capacity_factors.items())},
-            "admit_req_s": dict(self.admit_req_s),
+            "admit_req_s": dict(self.admit_req_s), "admit_depth_req": dict(self.admit_depth_req),
+            "admit_peak": {m: list(v) for m, v in self.admit_peak.items()},
             "expected_attainment": dict(self.expected_attainment), "expected_from": self.expected_from or None,
             "bottlenecks": [b.as_dict() for b in self.bottlenecks],
             "pruning": dict(self.pruning) if self.pruning else None,

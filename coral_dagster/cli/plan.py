@@ -35,6 +35,12 @@ def _print_plan(plan) -> None:
                f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap to LP {gap}, to MIP bound {mip_gap}, "
                f"solved in {plan.solve_s:.2f} s, "
                f"demand scale {plan.demand_scale:.2%}")
+    for m, rate in sorted(plan.admit_req_s.items()):
+        depth = plan.admit_depth_req.get(m)
+        peak = plan.admit_peak.get(m)
+        click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
+                   else "") + (f" arriving at most {peak[0]:.3g} req/s (+{peak[1]:,.0f})" if peak else "")
+                   + " (the rest are shed with 429)")
     for b in plan.bottlenecks:
         click.echo(f"bottleneck: {b.describe()}")
     for note in plan.notes:

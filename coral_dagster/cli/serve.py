@@ -108,7 +108,8 @@ def serve() -> None:
       help="Times a failed request resumes on another instance.")
 @_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
 @_opt("--admit", env="ADMIT", default="",
-      help="Requests/s admitted per model, 'model=rate,…' (a plan under scarcity); the rest get 429 with Retry-After.")
+      help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
+           "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
                     api_key: str | None, admit: str, insecure: bool, as_json: bool, **kw: Any) -> None:
@@ -116,10 +117,12 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
     from coral_dagster.runtime.roles import run_coordinator
 
+    admit_req_s, admit_depth_req, admit_peak = parse_admit(admit)
     run_coordinator(CoordinatorConfig(listen=listen, http_host=http_host,
                                       http_port=None if http_port < 0 else http_port, models=models,
                                       max_retries=max_retries, api_key=api_key, timing=_timing(kw),
-                                      admit_req_s=parse_admit(admit)), insecure, as_json)
+                                      admit_req_s=admit_req_s, admit_depth_req=admit_depth_req,
+                                      admit_peak=admit_peak), insecure, as_json)
 
 
 @serve.command("scheduler")

@@ -159,7 +159,7 @@ def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFr
             launch.append(build_instance(shape, replica, plan_id, next_index))
             next_index += 1
 
-    coordinator = _coordinator_diff(shapes, plan_id, records, removals)
+    coordinator = _coordinator_diff(shapes, plan_id, records, removals, plan)
     up = records[(records.status == "launched") & records.address.notna()]
     removals.sort(key=lambda r: (r.instance_id == COORDINATOR_SLOT, r.instance_id))
     launch.sort(key=lambda i: (i.plan_id != plan_id, i.plan_id, i.index))
@@ -168,7 +168,7 @@ def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFr
 
 
 def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: pd.DataFrame,
-                      removals: list[Removal]) -> NodeSpec | None:
+                      removals: list[Removal], plan: Plan) -> NodeSpec | None:
     """Keep a live coordinator while any instance is planned, start one when none is live, remove it otherwise."""
     rows = records[records.role == "coordinator"]
     for r in rows[rows.status == "draining"].itertuples():
@@ -179,8 +179,8 @@ def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: 
             removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "the plan has no instances"))
         return None
     if len(live):
-        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), shapes)
-    return build_coordinator(plan_id, coordinator_region(shapes), shapes)
+        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), shapes, plan)
+    return build_coordinator(plan_id, coordinator_region(shapes), shapes, plan)
 
 
 @dataclass(frozen=True)

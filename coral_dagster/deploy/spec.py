@@ -270,11 +270,17 @@ def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
     return min(nodes, key=lambda r: (-nodes[r], r))
 
 
-def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = ()) -> NodeSpec:
+def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
+                      plan: Plan | None = None) -> NodeSpec:
     """The deployment's one coordinator (request router and drain point), a CPU VM the price rows do not price;
-    it lists the models of `shapes` before their instances register."""
+    it lists the models of `shapes` before their instances register and admits the request rates and bucket depths
+    of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator --admit`) where it serves less than the demand."""
+    from coral_dagster.runtime.config import format_admit
+
     name = names.coordinator_name(plan_id)
     envs = {"CORAL_MODEL": " ".join(sorted({s.template.model for s in shapes}))}
+    if plan is not None and plan.admit_req_s:
+        envs["CORAL_ADMIT"] = format_admit(plan.admit_req_s, plan.admit_depth_req, plan.admit_peak)
     return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
                     plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))
 
@@ -284,7 +290,7 @@ def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame) -> tuple[No
     shapes = instance_shapes(plan, prices)
     if not shapes:
         return ()
-    nodes = [build_coordinator(plan_id, coordinator_region(shapes), shapes)]
+    nodes = [build_coordinator(plan_id, coordinator_region(shapes), shapes, plan)]
     replicas = [(shape, r) for shape in shapes for r in range(shape.count)]
     for index, (shape, replica) in enumerate(replicas):
         nodes += build_instance(shape, replica, plan_id, index).nodes

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
+from typing import Mapping
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
@@ -77,6 +77,10 @@ class CoordinatorConfig:
     timing: Timing = field(default_factory=Timing)
     # Requests/s admitted per model (a plan under scarcity); the rest are shed with 429 (`routing.Admission`).
     admit_req_s: dict[str, float] = field(default_factory=dict)
+    # Token-bucket depth (requests) per admitted model, the plan's `admit_depth_req` (10 s of the rate if absent).
+    admit_depth_req: dict[str, float] = field(default_factory=dict)
+    # The second bucket per admitted model (request rate the plan's capacity carries, depth), the plan's `admit_peak`.
+    admit_peak: dict[str, tuple[float, float]] = field(default_factory=dict)
     # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
     http_read_timeout_s: float = 10.0
     http_max_body_bytes: int = 4 << 20
@@ -136,17 +140,34 @@ class NodeSettings:
             raise CoralError(f"{self.share=} must be positive.", "pass the node's share of its stage's load")
 
 
-def parse_admit(text: str) -> dict[str, float]:
-    """`model=rate,…` (requests/s admitted per model) as a dict; empty text admits everything."""
-    out = {}
+def parse_admit(text: str) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]]]:
+    """`model=rate[:depth[:peak_rate:peak_depth]],…` (requests/s admitted per model, its bucket depth in requests,
+    the second bucket's rate and depth) as rates, depths and peaks; empty text admits everything."""
+    rates, depths, peaks = {}, {}, {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        model, sep, rate = part.partition("=")
+        model, sep, value = part.partition("=")
         try:
-            value = float(rate)
+            numbers = [float(x) for x in value.split(":")]
         except ValueError:
-            value = math.nan
-        if not sep or not model or not math.isfinite(value) or value < 0:
-            raise CoralError(f"admission entry {part!r} is not model=rate.",
-                             "write e.g. --admit phi-4=4.5,qwen3-32b=2 (requests/s, finite, >= 0)")
-        out[model.strip()] = value
-    return out
+            numbers = [math.nan]
+        if (not sep or not model.strip() or len(numbers) not in (1, 2, 4)
+                or not all(math.isfinite(x) and x >= 0 for x in numbers)):
+            raise CoralError(f"admission entry {part!r} is not model=rate[:depth[:peak_rate:peak_depth]].",
+                             "write e.g. --admit phi-4=4.5:800:20:9,qwen3-32b=2 (requests/s and bucket depths in "
+                             "requests, finite, >= 0)")
+        name = model.strip()
+        rates[name] = numbers[0]
+        if len(numbers) > 1:
+            depths[name] = numbers[1]
+        if len(numbers) > 2:
+            peaks[name] = (numbers[2], numbers[3])
+    return rates, depths, peaks
+
+
+def format_admit(rates: Mapping[str, float], depths: Mapping[str, float],
+                 peaks: Mapping[str, tuple[float, float]]) -> str:
+    """The `--admit` text `parse_admit` reads back, per model sorted (a peak only beside a depth)."""
+    def entry(m: str) -> str:
+        rest = [depths[m], *peaks.get(m, ())] if m in depths else []
+        return f"{m}=" + ":".join(repr(float(x)) for x in [rates[m], *rest])
+    return ",".join(entry(m) for m in sorted(rates))

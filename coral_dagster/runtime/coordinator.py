@@ -94,7 +94,7 @@ class Coordinator:
         self.requests: dict[str, _Request] = {}
         self.tokenizer = ByteTokenizer()
         self.routing = Router()
-        self.admission = Admission(cfg.admit_req_s)
+        self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
         self._ids = itertools.count()
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0}
         self.http = None
