@@ -14,6 +14,8 @@ class SimulationConfig(dg.Config):
     duration_s: float = Field(default=120.0, description="Seconds of traffic to simulate.")
     seed: int = Field(default=0, description="Seed of the arrival process.")
     attainment_target: float = Field(default=0.95, description="The SLO attainment the check requires.")
+    rate_scale: float = Field(default=1.0, gt=0, description="Serve the traces at this multiple of their rates "
+                                                           "(2 = twice the planned demand: what-if load).")
 
 
 @dg.asset(group_name="simulation", kinds={"duckdb", "python"}, deps=["allocation_plan"])
@@ -27,7 +29,7 @@ def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.Materia
     store = duckdb.store()
     plan_id = latest_plan(store, config.scenario).plan_id
     result, table = simulate_plan_id(store, plan_id, duration_s=config.duration_s, seed=config.seed,
-                                     attainment_target=config.attainment_target)
+                                     attainment_target=config.attainment_target, rate_scale=config.rate_scale)
     by_model = table.drop(columns=["plan_id", "simulated_at"]).round(3)
     return dg.MaterializeResult(metadata={
         "plan_id": plan_id,

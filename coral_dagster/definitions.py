@@ -71,6 +71,7 @@ class PipelineRun:
 
 
 def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment_target: float = 0.95,
+                         rate_scale: float = 1.0,
                          closed_loop: bool = True, on_step=None, log_level: str = "WARNING") -> PipelineRun:
     """Materialize every asset for one scenario in order (templates one partition per model), in process, recording
     the runs in the instance at `dagster_home()`. A failed blocking check stops what depends on it; an asset that
@@ -81,7 +82,8 @@ def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment
 
     partitions = scenario_partitions(scenario)
     config = scenario_run_config(scenario, UPSTREAM[1:] + DOWNSTREAM)["ops"]
-    config["plan_simulation"]["config"].update(duration_s=simulate_s, attainment_target=attainment_target)
+    config["plan_simulation"]["config"].update(duration_s=simulate_s, attainment_target=attainment_target,
+                                               rate_scale=rate_scale)
     config["allocation_plan"]["config"].update(closed_loop=closed_loop)
     every = list(defs.assets) + list(defs.asset_checks)
     home = dagster_home()

@@ -11,14 +11,15 @@ from coral_dagster.store.duck import Store, write_frame
 
 
 def simulate_plan_id(store: Store, plan_id: str, *, duration_s: float = 120.0, seed: int = 0,
-                     trace: str | None = None, attainment_target: float = 0.95):
-    """Simulate the stored plan on its scenario's traces and append the per-model figures to `simulations`;
-    returns (result, stored rows)."""
+                     trace: str | None = None, attainment_target: float = 0.95, rate_scale: float = 1.0):
+    """Simulate the stored plan on its scenario's traces (at `rate_scale` × their rates) and append the per-model
+    figures to `simulations`; returns (result, stored rows)."""
     from coral_dagster.app.plans import scenario_of
     from coral_dagster.simulator.simulate import simulate_plan
 
     plan = load_plan(store, plan_id)
-    result = simulate_plan(plan, scenario_of(store, plan), trace=trace, duration_s=duration_s, seed=seed)
+    result = simulate_plan(plan, scenario_of(store, plan), trace=trace, duration_s=duration_s, seed=seed,
+                           rate_scale=rate_scale)
     return result, store_simulation(store, plan_id, result, attainment_target)
 
 
@@ -29,6 +30,7 @@ def store_simulation(store: Store, plan_id: str, result, attainment_target: floa
     table["simulated_at"] = datetime.now(timezone.utc)
     table["duration_s"] = result.duration_s
     table["seed"] = result.seed
+    table["rate_scale"] = result.rate_scale
     table["attainment_target"] = attainment_target
     with store.transaction() as con:
         write_frame(con, "simulations", table)
