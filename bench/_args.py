@@ -26,6 +26,15 @@ def names(text: str) -> list[str]:
     return [t for t in text.split(",") if t]
 
 
+def seeds_and_libraries(args) -> tuple[list[int], list[tuple]]:
+    """The evaluation seeds, and each `--scenarios` scenario with its stored template library."""
+    from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    scenarios = [load_scenario(name) for name in names(args.scenarios)]
+    return [int(s) for s in names(args.seeds)], [(scn, library_templates(scn)) for scn in scenarios]
+
+
 def evaluate(plan, scenario, seeds, duration_s: float) -> dict:
     """The plan simulated on the scenario's own traces, one window per seed: per seed the worst model's share of
     admitted requests meeting both SLOs, goodput (tokens/s meeting SLO) and offered tokens/s; with the worst seed."""

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import time
 
-from bench._args import RESULTS, bench_parser, evaluate, names, report
+from bench._args import RESULTS, bench_parser, evaluate, names, report, seeds_and_libraries
 from coral_dagster.allocation.goodput import fluid_goodput
-from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
+from coral_dagster.allocation.scenario_plans import plan_scenario
 from coral_dagster.app.closed_loop import closed_loop
-from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
 
 FULL = {"optimal", "feasible-time-limit", "heuristic"}
@@ -84,11 +83,9 @@ def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--relax", default="2,4", help="availability multiples tried when a method cannot plan at ×1")
     args = ap.parse_args()
-    seeds = [int(s) for s in names(args.seeds)]
+    seeds, libraries = seeds_and_libraries(args)
     rows = []
-    for name in names(args.scenarios):
-        scn = load_scenario(name)
-        templates = library_templates(scn)
+    for scn, templates in libraries:
         for method in names(args.methods):
             rows.append(row_for(scn, method, templates, args, seeds))
             print(rows[-1], flush=True)

@@ -19,10 +19,9 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from bench._args import RESULTS, bench_parser, evaluate, names, report
+from bench._args import RESULTS, bench_parser, evaluate, names, report, seeds_and_libraries
 from coral_dagster.allocation.goodput import fluid_goodput
-from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
-from coral_dagster.catalog.scenarios import load_scenario
+from coral_dagster.allocation.scenario_plans import plan_scenario
 from coral_dagster.errors import CoralError
 
 
@@ -62,11 +61,9 @@ def main() -> None:
                     help="also simulate each plan with a bucket of 10 s of its rate instead of its trace's bursts")
     ap.set_defaults(seeds="11,12")
     args = ap.parse_args()
-    seeds = [int(s) for s in names(args.seeds)]
+    seeds, libraries = seeds_and_libraries(args)
     rows = []
-    for name in names(args.scenarios):
-        scn = load_scenario(name)
-        templates = library_templates(scn)
+    for scn, templates in libraries:
         for level in (float(x) for x in names(args.levels)):
             for mode in names(args.modes):
                 for method in names(args.methods):
