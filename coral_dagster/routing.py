@@ -171,6 +171,12 @@ class Admission:
             return True
         return False
 
+    def limits(self, model: str) -> str:
+        """The model's admission limits in words, for the message of a shed request."""
+        (rate, depth), *peak = self._buckets[model]
+        text = f"{rate:.3g} req/s with bursts of up to {depth:.0f} requests"
+        return text + "".join(f", at most {r:.3g} req/s over {d:.0f} requests" for r, d in peak)
+
     def retry_after_s(self, model: str, now_s: float) -> float:
         """Seconds until every one of the model's buckets holds a token again."""
         if model not in self.rates:

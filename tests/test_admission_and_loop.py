@@ -128,13 +128,15 @@ def test_coordinator_sheds_the_same_requests_with_429():
                                           admit_depth_req={"phi-4": 40.0}, admit_peak={"phi-4": (12.0, 4.0)}),
                         insecure=True, ctx=ctx)
     errors = []
-    coord._finish_error = lambda r, problem, fix, status, **extra: errors.append((r.rid, status, extra))
+    coord._finish_error = lambda r, problem, fix, status, **extra: errors.append((r.rid, status, extra, problem))
     coord._dispatch = lambda r, now: None
     try:
         for k, t in enumerate(arrivals.tolist()):
             coord._submit(coord.front, b"c", {"model": "phi-4", "prompt_tokens": [1, 2], "max_tokens": 2}, t)
-        shed_ids = {rid for rid, status, extra in errors if status == 429 and extra["type"] == "rate_limited"}
-        assert all(extra["retry_after_s"] >= 0 for _, _, extra in errors)
+        shed_ids = {rid for rid, status, extra, _ in errors if status == 429 and extra["type"] == "rate_limited"}
+        assert all(extra["retry_after_s"] >= 0 for _, _, extra, _ in errors)
+        assert all("5 req/s with bursts of up to 40 requests, at most 12 req/s over 4 requests" in problem
+                   for *_, problem in errors)
         assert shed_ids == {f"req-{k}" for k in np.flatnonzero(simulated)}
     finally:
         coord.router.close(linger=0)

@@ -275,7 +275,7 @@ class Coordinator:
         if not self.admission.admit(model, now):
             wait_s = self.admission.retry_after_s(model, now)
             self._finish_error(r, f"model {model} is at the request rate its plan serves "
-                               f"({self.admission.rates[model]:.3g} req/s).", f"retry after {wait_s:.1f} s",
+                               f"({self.admission.limits(model)}).", f"retry after {wait_s:.1f} s",
                                429, type="rate_limited", retry_after_s=wait_s)
             return
         self._dispatch(r, now)
