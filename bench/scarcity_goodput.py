@@ -55,8 +55,8 @@ def row_for(scn, templates, level, mode, method, args, seeds) -> dict:
 
 def main() -> None:
     ap = bench_parser(__doc__, duration_s=300.0)
-    ap.add_argument("--levels", default="0.5,0.25,0.15")
-    ap.add_argument("--modes", default="scale,fair")
+    ap.add_argument("--levels", default="0.5,0.25,0.15", help="availability multiples below demand")
+    ap.add_argument("--modes", default="scale,fair", help="scarcity modes: uniform scale, max-min fair")
     ap.add_argument("--ablate-depth", action="store_true",
                     help="also simulate each plan with a bucket of 10 s of its rate instead of its trace's bursts")
     ap.set_defaults(seeds="11,12")
