@@ -71,51 +71,63 @@ LevelOracle = Callable[[Mapping[str, float], Sequence[str]], float]
 held ones keeping at least theirs."""
 
 
-def uniform_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+def uniform_levels(models: Sequence[str], reach: LevelOracle,
+                   proven: Callable[[], bool] = lambda: True) -> dict[str, float]:
     """The paper's mode: one level for every model, the largest all reach together.
 
     When that level is 0 because some models cannot be served alongside the others (a model no plan serves at
     all, or models competing for the same scarce nodes), scaling every model alike would serve nothing: the
     models max-min fair share leaves at 0 stay at 0 (named by `uniform_note`) and the others share the largest
-    level they reach together.
+    level they reach together. When fair share leaves none at 0, the level solve was cut short (a time limit):
+    fair share's least level is served by every model at once, so the uniform level is at least that. `proven` as
+    for `fair_levels`.
     """
     level = reach({}, models)
     if level > TOL or len(models) < 2:
         return {m: level for m in models}
-    dead = [m for m, v in fair_levels(models, reach).items() if v <= TOL]
+    fair = fair_levels(models, reach, proven)
+    dead = [m for m, v in fair.items() if v <= TOL]
     rest = [m for m in models if m not in dead]
-    if not dead or not rest:
+    if not dead or not rest:  # a solve cut short may have missed the level fair share's plan serves all together
+        level = max(level, min(fair.values()))
         return {m: level for m in models}
     level = reach({m: 0.0 for m in dead}, rest)
     return {**{m: 0.0 for m in dead}, **{m: level for m in rest}}
 
 
-def fair_levels(models: Sequence[str], reach: LevelOracle) -> dict[str, float]:
+def fair_levels(models: Sequence[str], reach: LevelOracle,
+                proven: Callable[[], bool] = lambda: True) -> dict[str, float]:
     """Max-min fair levels by progressive filling, then a raising pass (Pareto optimal for `reach`).
 
     Raise the common level of the models not yet fixed as far as it goes; fix every model that cannot go above
     it with the others held there; when none is stuck alone (integer plans: each can rise, not all together),
     fix the one with the least room. Repeat with the rest. Last, raise each model in turn (lowest first) as far
     as it goes with every other held at its level: no model is then left below what it can reach without
-    lowering another, so none sits at 0% where a positive share is reachable.
+    lowering another, so none sits at 0% where a positive share is reachable. `proven()` says whether `reach`'s
+    last answer was proven (a solve cut short by its time limit may answer below what is reachable): a model found
+    stuck by an unproven answer, and any model fixed at 0, is raised too.
     """
     fixed: dict[str, float] = {}
-    unstuck: list[str] = []  # fixed with room left: the only ones the raising pass can lift
+    unstuck: set[str] = set()  # fixed with room left (or on an unproven answer): the raising pass tries these
     while len(fixed) < len(models):
         free = [m for m in models if m not in fixed]
         level = reach(fixed, free)
         if level >= 1.0 - TOL:
             fixed.update({m: 1.0 for m in free})
             break
-        room = {m: reach({**fixed, **{o: level for o in free if o != m}}, [m]) for m in free}
+        room = {}
+        for m in free:
+            room[m] = reach({**fixed, **{o: level for o in free if o != m}}, [m])
+            if not proven():
+                unstuck.add(m)
         stuck = [m for m in free if room[m] <= level + TOL]
         if not stuck:
             stuck = [min(free, key=lambda m: (room[m], m))]
-            unstuck += stuck
+            unstuck.update(stuck)
         fixed.update({m: level for m in stuck})
-    # A stuck model could not rise with the others at the level it was fixed at; they end at or above it, so it
-    # cannot rise at the end either.
-    for m in sorted(unstuck, key=lambda m: (fixed[m], m)):
+    # A stuck model could not rise with the others at the level it was fixed at; they end at or above it, so with
+    # a proven answer it cannot rise at the end either.
+    for m in sorted(unstuck | {m for m, v in fixed.items() if v <= TOL}, key=lambda m: (fixed[m], m)):
         fixed[m] = max(fixed[m], reach({o: v for o, v in fixed.items() if o != m}, [m]))
     return fixed
 
@@ -134,11 +146,13 @@ class IlpReach:
                 self.groups.setdefault(k[0], []).append(k)
         self.models = sorted(self.groups)
         self.solutions: list[tuple[dict[str, float], tuple[float, ...]]] = []
+        self.last_proven = True
 
     def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
         r = colgen.solve_max_level(self.problem, self.columns, self.groups,
                                    {m: v for m, v in held.items() if m not in free}, integer=self.integer,
                                    time_limit_s=self.time_limit_s, gap_rel=self.gap_rel)
+        self.last_proven = r.status == "optimal"
         if r.status not in ("optimal", "feasible-time-limit"):
             return 0.0
         self.solutions.append((ilp.routed_fractions(self.problem, self.columns, r.values), r.values))
@@ -158,7 +172,7 @@ def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, inte
     """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all),
     the targets per key and counts that reach them (see `IlpReach.witness`)."""
     reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
-    levels = uniform_levels(reach.models, reach)
+    levels = uniform_levels(reach.models, reach, lambda: reach.last_proven)
     return min(levels.values(), default=0.0), _targets(problem, levels), reach.witness(levels)
 
 
@@ -168,7 +182,7 @@ def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer
     """`fair_levels` on the allocation ILP (a model's served fraction is the smaller of its phases': a request
     needs both); returns the level per model, the targets per key and counts that reach them."""
     reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
-    levels = fair_levels(reach.models, reach)
+    levels = fair_levels(reach.models, reach, lambda: reach.last_proven)
     return levels, _targets(problem, levels), reach.witness(levels)
 
 
