@@ -214,6 +214,22 @@ def get_model(name: str) -> ModelSpec:
     raise UnknownNameError("model", name, [*model_catalog(), *_SERVED])
 
 
+def model_name(name: str) -> str:
+    """The name a model goes by in scenarios and plans: a catalog model's alias (from its alias or HF id, any case),
+    a served model's own name; unknown names raise as in `get_model`."""
+    found = _catalog_model(name)
+    if found is not None:
+        return found.alias
+    get_model(name)
+    return name
+
+
+def served_names() -> list[str]:
+    """Names of the served models declared so far, those of the bundled scenarios included."""
+    _declare_bundled_served()
+    return sorted(_SERVED)
+
+
 def _catalog_model(name: str) -> ModelSpec | None:
     key = name.lower()
     for m in model_catalog().values():
