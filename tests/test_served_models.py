@@ -139,3 +139,14 @@ def test_a_plan_file_keeps_a_served_models_name_and_checks_its_bases_layers():
         plan_from_json({"instances": [short]})
     with pytest.raises(CatalogError, match="unknown model 'qwen3-32b-nowhere'"):
         plan_from_json({"instances": [{**row, "model": "qwen3-32b-nowhere"}]})
+
+
+def test_a_node_without_the_planner_stack_resolves_a_bundled_served_model():
+    # A GPU node installs the runtime alone (no pandas): resolving a served name must not need it.
+    first = next(m for m in load_scenario("mega").models if m.base != m.model)
+    code = ("import sys; sys.modules['pandas'] = None\n"
+            "from coral_dagster.runtime.roles import model_layers\n"
+            f"print(model_layers({first.model!r}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout) == get_model(first.base).n_layers

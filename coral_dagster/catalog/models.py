@@ -261,9 +261,12 @@ def declare_served(name: str, base: str, where: str) -> None:
 
 
 def _declare_bundled_served() -> None:
-    """Read the bundled scenarios (each parsed once per file version), so that a process that has loaded none
-    knows their served models."""
-    from coral_dagster.catalog.scenarios import load_scenario, scenario_names
-
-    for name in scenario_names():
-        load_scenario(name)
+    """Declare the served models of the bundled scenarios, so that a process that has loaded none knows them. Only
+    their `model`/`base` pairs are read (a GPU node's runtime has PyYAML but not the planner's stack that
+    `catalog.scenarios` needs); `coral catalog scenarios` and the tests check the files in full."""
+    for path in sorted(paths.SCENARIOS_DIR.glob("*.y*ml")):
+        doc = read_yaml(path)
+        rows = doc.get("models") if isinstance(doc, dict) else None
+        for row in rows if isinstance(rows, list) else ():
+            if isinstance(row, dict) and isinstance(row.get("model"), str) and isinstance(row.get("base"), str):
+                declare_served(row["model"], row["base"], str(path.resolve()))
