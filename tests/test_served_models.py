@@ -150,3 +150,11 @@ def test_a_node_without_the_planner_stack_resolves_a_bundled_served_model():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout) == get_model(first.base).n_layers
+
+
+def test_the_library_key_follows_a_served_models_base(tmp_path):
+    row = "  - {{model: legal-ft-t9, base: {}, prefill_slo_ms: 1600, decode_slo_ms: 100, trace: azure-conv, " \
+          "rate_req_s: 1}}\n"
+    first = _scenario(tmp_path, row.format("qwen3-32b")).library_key
+    assert _scenario(tmp_path, row.format("llama-1-30b")).library_key != first  # the same file, edited
+    assert _scenario(tmp_path, row.format("qwen3-32b")).library_key == first
