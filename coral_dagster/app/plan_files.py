@@ -123,11 +123,11 @@ def _choice(row: dict, key: str, valid: tuple[str, ...], path, at: str, default:
 
 
 def _model(row: dict, path, at: str) -> str:
-    from coral_dagster.catalog.models import model_catalog
+    from coral_dagster.catalog.models import model_catalog, served_names
 
-    value = row.get("model")
-    if not isinstance(value, str) or value not in model_catalog():
-        raise CatalogError(path, at, "model", f"unknown model {value!r}", f"use one of {', '.join(model_catalog())}")
+    value, known = row.get("model"), [*model_catalog(), *served_names()]
+    if not isinstance(value, str) or value not in known:
+        raise CatalogError(path, at, "model", f"unknown model {value!r}", f"use one of {', '.join(known)}")
     return value
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from coral_dagster import paths
 from coral_dagster.catalog._load import check_unique, field, read_yaml, rows_of
-from coral_dagster.errors import CatalogError, UnknownNameError
+from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
 
 BYTES_PER_PARAM = {"bfloat16": 2.0, "float16": 2.0, "float32": 4.0}
 
@@ -202,9 +202,71 @@ def model_catalog() -> dict[str, ModelSpec]:
 
 
 def get_model(name: str) -> ModelSpec:
-    """A model by alias or HF id, case-insensitive; unknown names list the aliases."""
+    """A model by alias or HF id, case-insensitive, or by a served model's name (its base's spec); unknown names
+    list the aliases."""
+    found = _catalog_model(name)
+    if found is not None:
+        return found
+    if name not in _SERVED:
+        _declare_bundled_served()
+    if name in _SERVED:
+        return model_catalog()[_SERVED[name][0]]
+    raise UnknownNameError("model", name, [*model_catalog(), *_SERVED])
+
+
+def model_name(name: str) -> str:
+    """The name a model goes by in scenarios and plans: a catalog model's alias (from its alias or HF id, any case),
+    a served model's own name; unknown names raise as in `get_model`."""
+    found = _catalog_model(name)
+    if found is not None:
+        return found.alias
+    get_model(name)
+    return name
+
+
+def served_names() -> list[str]:
+    """Names of the served models declared so far, those of the bundled scenarios included."""
+    _declare_bundled_served()
+    return sorted(_SERVED)
+
+
+def _catalog_model(name: str) -> ModelSpec | None:
     key = name.lower()
     for m in model_catalog().values():
         if key in (m.alias.lower(), m.hf_id.lower()):
             return m
-    raise UnknownNameError("model", name, list(model_catalog()))
+    return None
+
+
+# Served models (vLLM's --served-model-name): a name a deployment serves with the weights shape of a catalog model,
+# its base (a fine-tune of it). Scenario files declare them (`base:` in a `models:` entry); served name -> (base,
+# the file that declared it).
+_SERVED: dict[str, tuple[str, str]] = {}
+
+
+def declare_served(name: str, base: str, where: str) -> None:
+    """Record that `name` is served with `base`'s architecture (declared in `where`); a name may not shadow a
+    catalog model nor be declared with two bases."""
+    if _catalog_model(name) is not None:
+        raise CoralError(f"{where}: served model {name!r} has the name of a catalog model.",
+                         f"give the served model a name of its own (e.g. {name}-ft), or drop `base:` to serve "
+                         "the catalog model itself.")
+    if base not in model_catalog():
+        raise UnknownNameError(f"base model of served model {name!r} ({where})", base, list(model_catalog()))
+    known = _SERVED.get(name, (base, where))
+    if known[0] != base and known[1] != where:  # a file edited since it was read may change its own entries
+        raise CoralError(f"served model {name!r} has base {base} in {where} but {known[0]} in {known[1]}.",
+                         "give the served model one base everywhere, or name the two differently.")
+    _SERVED[name] = (base, where)
+
+
+def _declare_bundled_served() -> None:
+    """Declare the served models of the bundled scenarios, so that a process that has loaded none knows them. Only
+    their `model`/`base` pairs are read (a GPU node's runtime has PyYAML but not the planner's stack that
+    `catalog.scenarios` needs); `coral catalog scenarios` and the tests check the files in full."""
+    for path in sorted(paths.SCENARIOS_DIR.glob("*.y*ml")):
+        doc = read_yaml(path)
+        rows = doc.get("models") if isinstance(doc, dict) else None
+        for row in rows if isinstance(rows, list) else ():
+            if isinstance(row, dict) and isinstance(row.get("model"), str) and isinstance(row.get("base"), str):
+                declare_served(row["model"], row["base"], str(path.resolve()))

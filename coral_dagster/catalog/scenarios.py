@@ -21,9 +21,9 @@ from coral_dagster.templates.engines import SERVING_ENGINES
 
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
-TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "link_gbps", "models", "engine",
+TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "nodes", "link_gbps", "models", "engine",
                       "availability", "templates", "allocation"})
-MODEL_KEYS = frozenset({"model", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
+MODEL_KEYS = frozenset({"model", "base", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
 TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin"})
 AVAILABILITY_KEYS = frozenset({"default_nodes", "nodes"})
 ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
@@ -44,7 +44,8 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 class ScenarioModel:
     """One model of a scenario with its SLOs, request-length trace and arrival rate, and the scenario's planning
     margins for its templates (`templates.throughput`: share of each stage's SLO budget a step is planned at,
-    busy share of a prefill node at the planned rate)."""
+    busy share of a prefill node at the planned rate). `base`: the catalog model whose architecture and profiles
+    it is served with; the model itself, or for a served model (a fine-tune under its own name) its base."""
 
     model: str
     prefill_slo_ms: float
@@ -53,6 +54,17 @@ class ScenarioModel:
     rate_req_s: float
     slo_margin: float = 1.0
     attainment_target: float = 0.95  # share of requests meeting both SLOs the plan is sized for
+    base: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.base:
+            object.__setattr__(self, "base", self.model)
+
+    @property
+    def template_key(self) -> tuple:
+        """What its templates depend on besides the scenario's nodes: models sharing it share their templates."""
+        return (self.base, self.prefill_slo_ms, self.decode_slo_ms, self.trace, self.slo_margin,
+                self.attainment_target)
 
 
 @dataclass(frozen=True)
@@ -83,7 +95,7 @@ class Scenario:
         stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
         settings = {
             "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
-                              m.attainment_target] for m in self.models),
+                              m.attainment_target, *([m.base] if m.base != m.model else [])] for m in self.models),
             "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
             "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
         }
@@ -95,6 +107,9 @@ class Scenario:
         description, the file path and the engine (chosen per plan, recorded in its inputs), and the library key.
         Plans and demand and market snapshots are stored under it, so "latest" never crosses two scenario files."""
         settings = {k: v for k, v in asdict(self).items() if k not in ("description", "path", "engine")}
+        # A model served as itself keeps the key it had before served models existed (stored plans stay found).
+        settings["models"] = [{k: v for k, v in m.items() if k != "base" or v != m["model"]}
+                              for m in settings["models"]]
         settings["library_key"] = self.library_key
         return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -191,22 +206,12 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
         raise CatalogError(path, "-", "name", f"{name!r} is not a scenario name",
                            "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     description = field(doc, "description", str, path, "-", default="")
-    gpus = _str_list(doc, "gpus", path)
-    for g in gpus:
-        if g not in gpu_catalog():
-            raise CatalogError(path, "gpus", "gpus", f"unknown GPU {g!r}", f"use one of {', '.join(gpu_catalog())}")
-    counts = doc.get("gpus_per_node", list(GPUS_PER_NODE))
-    if (not isinstance(counts, list) or not counts or len(set(map(repr, counts))) != len(counts)
-            or any(isinstance(c, bool) or c not in GPUS_PER_NODE for c in counts)):
-        raise CatalogError(path, "gpus_per_node", "gpus_per_node",
-                           f"{counts!r} is not a non-empty subset of {list(GPUS_PER_NODE)}",
-                           "list GPU counts from 1, 2, 4, 8, each once")
+    node_configs = _node_configs(doc, path)
     regions = _str_list(doc, "regions", path)
     for r in regions:
         if not REGION_RE.match(r):
             raise CatalogError(path, "regions", "regions", f"region {r!r} is not cloud:region on aws or gcp",
                                "write regions like aws:us-east-2 or gcp:us-central1")
-    node_configs = tuple(NodeConfig(g, c) for g in gpus for c in counts)
     catalog = model_catalog()
     tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
     margins = {"slo_margin": _number(tpl, "slo_margin", path, "templates", 1.0, 0.0, 1.0, low_open=True)}
@@ -218,17 +223,21 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
         i = f"models[{n}]"
         _known_keys(r, MODEL_KEYS, path, i)
         alias = field(r, "model", str, path, i)
-        if alias not in catalog:
-            raise CatalogError(path, i, "model", f"unknown model {alias!r}", f"use one of {', '.join(catalog)}")
+        base = field(r, "base", str, path, i, default=alias)
+        if "base" in r:
+            _served_model(alias, base, path, i)
+        elif alias not in catalog:
+            raise CatalogError(path, i, "model", f"unknown model {alias!r}",
+                               f"use one of {', '.join(catalog)}, or serve it under its own name with "
+                               "`base: <catalog model>`")
         trace = field(r, "trace", str, path, i)
         if trace not in TRACES:
             raise CatalogError(path, i, "trace", f"unknown trace {trace!r}", f"use one of {', '.join(TRACES)}")
         models.append(ScenarioModel(alias, _number(r, "prefill_slo_ms", path, i, ..., 0.0, MAX_SLO_MS, low_open=True),
                                     _number(r, "decode_slo_ms", path, i, ..., 0.0, MAX_SLO_MS, low_open=True), trace,
                                     _number(r, "rate_req_s", path, i, ..., 0.0, MAX_RATE_REQ_S, low_open=True),
-                                    **margins, attainment_target=_attainment_target(r, path, i)))
+                                    **margins, attainment_target=_attainment_target(r, path, i), base=base))
     check_unique([m.model for m in models], path, "model")
-    check_unique(gpus, path, "gpus")
     check_unique(regions, path, "regions")
     avail = _section(doc, "availability", AVAILABILITY_KEYS, path)
     default_nodes = int(_number(avail, "default_nodes", path, "availability", 16, 0, MAX_NODES, integer=True))
@@ -245,10 +254,10 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
             raise CatalogError(path, "availability", str(region), f"{nodes!r} is not a mapping",
                                "write {GPU:count: N, ...} for the region")
         for node, k in nodes.items():
-            config = _node_config(node, path, f"{region}/{node}")
+            config = _node_config(node, path, "availability", f"{region}/{node}")
             if config not in node_configs:
                 raise CatalogError(path, "availability", f"{region}/{node}",
-                                   "not one of the scenario's node configurations (gpus x gpus_per_node)",
+                                   "not one of the scenario's node configurations (nodes, or gpus x gpus_per_node)",
                                    f"use one of {', '.join(map(str, node_configs))}")
             overrides.append((region, config, int(_number(nodes, node, path, "availability", ..., 0, MAX_NODES,
                                                           integer=True))))
@@ -277,6 +286,19 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
         path=str(path),
         engine=engine,
     )
+
+
+def _served_model(name: str, base: str, path: Path, where: str) -> None:
+    """A served model's entry: a name of its own (a scenario name, not a catalog model's) over a catalog base."""
+    from coral_dagster.catalog.models import declare_served
+
+    if not _NAME.match(name):
+        raise CatalogError(path, where, "model", f"{name!r} is not a served model name",
+                           "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    try:
+        declare_served(name, base, str(path))
+    except CoralError as exc:
+        raise CatalogError(path, where, "base", exc.problem.rstrip("."), exc.fix) from None
 
 
 def _section(doc: dict, key: str, known: frozenset[str], path: Path) -> dict:
@@ -318,12 +340,42 @@ def _attainment_target(row: dict, path: Path, where: str) -> float:
     return value
 
 
-def _node_config(text: object, path: Path, where: str) -> NodeConfig:
+def _node_configs(doc: dict, path: Path) -> tuple[NodeConfig, ...]:
+    """The scenario's node configurations: `nodes` as listed (e.g. only those its regions sell), else every
+    configuration of `gpus` × `gpus_per_node`."""
+    if "nodes" in doc:
+        if "gpus" in doc or "gpus_per_node" in doc:
+            raise CatalogError(path, "-", "nodes", "given together with gpus/gpus_per_node",
+                               "list the node configurations either as nodes: [GPU:count, ...] or as gpus and "
+                               "gpus_per_node, not both")
+        names = _str_list(doc, "nodes", path)
+        check_unique(names, path, "nodes")
+        configs = tuple(_node_config(n, path, "nodes", n) for n in names)
+        for n in configs:
+            if n.gpu not in gpu_catalog():
+                raise CatalogError(path, "nodes", str(n), f"unknown GPU {n.gpu!r}",
+                                   f"use one of {', '.join(gpu_catalog())}")
+        return configs
+    gpus = _str_list(doc, "gpus", path)
+    for g in gpus:
+        if g not in gpu_catalog():
+            raise CatalogError(path, "gpus", "gpus", f"unknown GPU {g!r}", f"use one of {', '.join(gpu_catalog())}")
+    check_unique(gpus, path, "gpus")
+    counts = doc.get("gpus_per_node", list(GPUS_PER_NODE))
+    if (not isinstance(counts, list) or not counts or len(set(map(repr, counts))) != len(counts)
+            or any(isinstance(c, bool) or c not in GPUS_PER_NODE for c in counts)):
+        raise CatalogError(path, "gpus_per_node", "gpus_per_node",
+                           f"{counts!r} is not a non-empty subset of {list(GPUS_PER_NODE)}",
+                           "list GPU counts from 1, 2, 4, 8, each once")
+    return tuple(NodeConfig(g, c) for g in gpus for c in counts)
+
+
+def _node_config(text: object, path: Path, section: str, where: str) -> NodeConfig:
     try:
         return NodeConfig.parse(str(text))
     except CoralError as exc:
-        raise CatalogError(path, "availability", where, f"{text!r} is not a node configuration ({exc.problem})",
-                           "write GPU:count, e.g. L4:2") from None
+        raise CatalogError(path, section, where, f"{text!r} is not a node configuration ({exc.problem})",
+                           f"write GPU:count, e.g. L4:2 ({exc.fix})") from None
 
 
 def _str_list(doc: dict, key: str, path: Path) -> list[str]:

@@ -123,10 +123,10 @@ def verify_template(template: Template, tables: ThroughputTables) -> list[str]:
 
 def scenario_model_for(model: str, scenario: str | None = None):
     """(scenario, its entry for `model`): the named scenario, else the first bundled one that serves the model."""
-    from coral_dagster.catalog.models import get_model
+    from coral_dagster.catalog.models import model_name
     from coral_dagster.catalog.scenarios import load_scenario, scenario_names
 
-    alias = get_model(model).alias
+    alias = model_name(model)
     names = [scenario] if scenario else scenario_names()
     for name in names:
         scn = load_scenario(name)

@@ -18,7 +18,7 @@ import json
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 import pandas as pd
@@ -111,14 +111,16 @@ class LibraryStats:
     """What a build did: multisets optimized, templates before and after pruning, and time per step."""
 
     scenario: str
-    per_key: tuple[tuple[str, str, float, int, int, int], ...]  # (model, phase, slo_ms, multisets, feasible, kept)
+    # (model, phase, slo_ms, multisets optimized, feasible, kept, computed_as: the model whose optimization it shares)
+    per_key: tuple[tuple[str, str, float, int, int, int, str], ...]
     tables_s: float
     optimize_s: float
     total_s: float
     processes: int
 
     def as_frame(self) -> pd.DataFrame:
-        return pd.DataFrame(self.per_key, columns=["model", "phase", "slo_ms", "multisets", "feasible", "kept"])
+        return pd.DataFrame(self.per_key, columns=["model", "phase", "slo_ms", "multisets", "feasible", "kept",
+                                                   "computed_as"])
 
 
 def build_library(scenario, *, processes: int | None = None, progress: bool = False,
@@ -136,7 +138,8 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
                              tables: dict[tuple[str, str], ThroughputTables] | None = None,
                              ) -> tuple[list[Template], LibraryStats]:
     """Build the library of a scenario (a `Scenario` or its name) over `processes` worker processes, one
-    (model, phase) per task, largest first.
+    (model, phase) per task, largest first. Models with the same `template_key` (served models of one base with
+    the same SLOs and trace) are optimized once, as the first of them, and the others get copies under their names.
 
     `n_max` and `rho` override the scenario's (most nodes per template; memory at most ρ × the weights).
     `tables` may supply T̂ tables per (model, phase) (e.g. from a test's synthetic performance model); otherwise
@@ -154,7 +157,11 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
         known = [m.model for m in scn.models]
         raise CoralError(f"models {sorted(set(models) - set(known))} are not in scenario {scn.name}.",
                          f"use some of: {', '.join(known)}.")
-    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps) for m in wanted for p in phases}
+    computed_as: dict[str, str] = {}
+    for m in wanted:
+        computed_as[m.model] = next(o.model for o in wanted if o.template_key == m.template_key)
+    computed = [m for m in wanted if computed_as[m.model] == m.model]
+    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps) for m in computed for p in phases}
     start = time.perf_counter()
     pool = ProcessPoolExecutor(processes) if processes > 1 else None
     try:
@@ -163,8 +170,9 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
         built = list(pool.map(_tables_task, todo) if pool else map(_tables_task, todo))
         given.update({(t.workload.model, t.workload.phase): t for t in built})
         tables_s = time.perf_counter() - start
-        multisets = {m.model: enumerate_multisets(scn.node_configs, get_model(m.model).total_weight_bytes,
-                                                  n_max, rho) for m in wanted}
+        by_base = {b: enumerate_multisets(scn.node_configs, get_model(b).total_weight_bytes, n_max, rho)
+                   for b in sorted({m.base for m in computed})}
+        multisets = {m.model: by_base[m.base] for m in computed}
         tasks = []
         for key in workloads:
             t = given[key]
@@ -194,10 +202,13 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
             pool.shutdown()
     optimize_s = time.perf_counter() - start - tables_s
     templates, per_key = [], []
-    for key in workloads:
-        found, feasible = results[key]
-        templates.extend(found)
-        per_key.append((key[0], key[1], given[key].workload.slo_ms, len(multisets[key[0]]), feasible, len(found)))
+    for m in wanted:
+        for phase in phases:
+            key = (computed_as[m.model], phase)
+            found, feasible = results[key]
+            templates.extend(found if key[0] == m.model else (replace(t, model=m.model) for t in found))
+            per_key.append((m.model, phase, given[key].workload.slo_ms,
+                            len(multisets[key[0]]) if key[0] == m.model else 0, feasible, len(found), key[0]))
     templates.sort(key=lambda x: x.template_id)
     stats = LibraryStats(scn.name, tuple(per_key), tables_s, optimize_s, time.perf_counter() - start, processes)
     return templates, stats
