@@ -512,7 +512,8 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
             continue
         # Widen to what proves this plan, or, when the solver could not prove it within the ILP, to what lets the
         # wider ILP's bound reach the narrow one's.
-        wider = np.maximum(theta, np.minimum(needed, mip.bound - z_lp + tol) if split is None else needed)
+        unproven = split is None and mip.status != "optimal"
+        wider = np.maximum(theta, np.minimum(needed, mip.bound - z_lp + tol) if unproven else needed)
         if not np.any(wider > theta):
             break
         theta = wider
