@@ -1,11 +1,14 @@
 """Solve times of Coral's planner: core and extended, default and scarcity (×0.5, ×0.25; scale and fair).
 
-Per row: status, cost, gap to the MIP bound, `solve_s` (the solve alone), `prepare_s` (pruning and preparation of
-the library, once per library), `load_s` (reading the library from DuckDB), each the median of `--repeats` runs;
-per scenario the wall time of a re-plan in a fresh process (the sensor -> `replan` path: `app.rounds.plan_round`
-in a new Python process, imports included). Prints a table and writes bench/results/solve_times.json.
+A setting `A@S` (e.g. `0.25@0.25`) is the cost solve alone at availability ×A with every key's target S (no level
+solves, whose time limits make the levels, and so the costs, differ run to run): the comparable figure for the
+solver. Per row: status, cost, gap to the MIP bound, `solve_s` (the solve alone), `prepare_s` (pruning and
+preparation of the library, once per library), `load_s` (reading the library from DuckDB), each the median of
+`--repeats` runs; per scenario the wall time of a re-plan in a fresh process (the sensor -> `replan` path:
+`app.rounds.plan_round` in a new Python process, imports included). Prints a table and writes
+bench/results/solve_times.json.
 
-    python bench/solve_times.py [--scenarios core,extended] [--settings default,0.5:scale,...] [--repeats 3]
+    python bench/solve_times.py [--scenarios core,extended] [--settings default,0.5:scale,0.5@0.55] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -61,6 +64,26 @@ def _row(scn, templates, setting: str, repeats: int, time_limit_s: float) -> dic
             "solve_s": statistics.median(p.solve_s for p in runs), "solve_s_runs": [p.solve_s for p in runs],
             "prepare_s": prepare_s, "min_served": min(served.values(), default=1.0),
             "costs": [p.cost_usd_per_hour for p in runs], "timings_s": dict(plan.timings_s)}
+
+
+def _cost_row(scn, templates, setting: str, time_limit_s: float) -> dict:
+    """The cost solve at fixed targets (`A@S`): status, cost, proven bound and MIP gap, LP bound, columns."""
+    from coral_dagster.allocation import colgen
+    from coral_dagster.allocation.inputs import scenario_problem
+    from coral_dagster.allocation.prune import prune_columns
+
+    scale, target = map(float, setting.split("@"))
+    problem = scenario_problem(scn, templates, scn.market(availability_scale=scale))
+    columns, _ = prune_columns(problem)
+    targets = {k: target for k, d in problem.demand_tokens_per_s.items() if d > 0}
+    start = time.perf_counter()
+    cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s)
+    solve_s = time.perf_counter() - start
+    r = cg.result
+    gap = (r.objective - r.bound) / r.objective if r.objective > 0 else 0.0
+    return {"scenario": scn.name, "setting": setting, "status": r.status, "usd_per_hour": r.objective,
+            "mip_gap": gap, "bound_usd_per_hour": r.bound, "lp_usd_per_hour": cg.lp_objective,
+            "solve_s": solve_s, "columns": len(columns), "ilp_columns": cg.ilp_columns, "prepare_s": 0.0}
 
 
 def _fresh_replan(scn_name: str, db_path: str, time_limit_s: float, repeats: int) -> dict:
@@ -129,7 +152,8 @@ def main() -> None:
                 loads.append(load_s)
             doc["load_s"][name] = statistics.median(loads)
         for setting in settings:
-            row = _row(scn, templates, setting, args.repeats, limit)
+            row = _cost_row(scn, templates, setting, limit) if "@" in setting else _row(
+                scn, templates, setting, args.repeats, limit)
             row["load_s"] = doc["load_s"][name]
             doc["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -303,3 +303,26 @@ def test_column_generation_matches_the_direct_scarcity_models(seed, monkeypatch)
     assert fast.objective == pytest.approx(level.objective, rel=1e-7, abs=1e-9)
     assert colgen.min_availability_scale(problem, columns) == pytest.approx(sigma.objective, rel=1e-7)
     assert colgen.elastic_lp(problem, columns, 1000.0).objective == pytest.approx(elastic.objective, rel=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(30, 42))
+def test_unproven_fixing_reports_a_bound_below_the_true_optimum(seed, monkeypatch):
+    """With fixing capped at one column per group the ILPs leave columns out: the plan may be unproven, and its
+    bound (the best of each ILP's solver bound and LP bound plus the least reduced cost left out) must still lie
+    below the direct ILP's optimum and above the LP bound."""
+    from coral_dagster.allocation import colgen, ilp
+    from coral_dagster.allocation.prune import prune_columns
+
+    problem, _ = feasible_random(seed)
+    columns, _ = prune_columns(problem)
+    optimum = ilp.min_cost(problem, columns, gap_rel=EXACT)
+    monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
+    monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
+    monkeypatch.setattr(colgen, "FIRST_PER_GROUP", 1)
+    monkeypatch.setattr(colgen, "MAX_PER_GROUP", 2)
+    fast = colgen.solve_min_cost(problem, columns, gap_rel=EXACT)
+    assert fast.result.status in ("optimal", "feasible-time-limit")
+    assert fast.lp_objective - 1e-7 <= fast.result.bound <= optimum.objective + 1e-7
+    assert fast.result.objective >= optimum.objective - 1e-7
+    if fast.result.status == "optimal":
+        assert fast.result.objective == pytest.approx(optimum.objective, rel=1e-7)

@@ -37,13 +37,13 @@ allocation: {headroom: 1.1, replan_interval_min: 6, node_startup_min: 10}
 """
 
 FRESH = """
-import json, sys
+import gc, json, sys
 from coral_dagster.app.rounds import plan_round
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.store import Store
 rnd = plan_round(Store(sys.argv[1]), load_scenario(sys.argv[2]), "coral", time_limit_s=30)
 print(json.dumps({"templates": len(rnd.problem.templates), "plan_id": rnd.plan_id,
-                  "dominance_rule": rnd.plan.pruning["dominance_rule"],
+                  "dominance_rule": rnd.plan.pruning["dominance_rule"], "gc": gc.isenabled(),
                   "running": {f"{t}@{r}": n for (t, r), n in rnd.problem.running.items()}}))
 """
 
@@ -90,6 +90,7 @@ def test_a_fresh_process_replan_reads_the_stored_survivors_and_plans_as_the_whol
     assert fresh["templates"] == stored  # the fresh process read only the survivors
     assert fresh["dominance_rule"] == "stored"  # and did not search them for dominance again
     assert fresh["running"]  # and re-planned against the first plan
+    assert fresh["gc"]  # the garbage collector paused while the survivors were built runs again
     # The same re-plan in this process, over the whole library.
     market = latest_snapshot(store, scn)
     problem = scenario_problem(scn, load_library(store, scn), market, running=first.plan.counts())

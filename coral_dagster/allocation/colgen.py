@@ -50,6 +50,8 @@ FALLBACK_THETA = 0.02
 SPLIT_SLACK = 0.03
 # The decomposed attempt gets at most this share of the time limit; the whole ILP, when needed, the rest.
 DECOMPOSED_SHARE = 0.4
+# The first ILP over the columns fixing keeps gets at most this share of the time left; a wider one the rest.
+FIRST_ILP_SHARE = 0.5
 TOL = 1e-9
 # Up to this many columns the LP and the ILP are solved directly: the detour costs more than it saves.
 DIRECT_MAX = 300
@@ -84,6 +86,22 @@ class _SplitBound:
         """The columns a plan of cost at most `z` can use."""
         threshold = z - self.lower.sum() + self.lower - self.z_lp_group + tol
         return {int(j) for j in np.nonzero(self.reduced <= threshold[self.labels])[0]}
+
+
+def _least_outside(reduced: np.ndarray, keep: Sequence[int]) -> float:
+    """The least reduced cost of a column not in `keep` (inf when every column is): a plan using one costs at
+    least the LP bound plus it."""
+    outside = np.ones(len(reduced), dtype=bool)
+    outside[list(keep)] = False
+    return float(reduced[outside].min()) if outside.any() else math.inf
+
+
+def _covers(reduced: np.ndarray, keep: Sequence[int], needed: np.ndarray | float) -> bool:
+    """Whether every column with reduced cost up to `needed` (its own, per column, or one for all) is in `keep`:
+    then no column left out is in a plan better than the one found."""
+    outside = np.ones(len(reduced), dtype=bool)
+    outside[list(keep)] = False
+    return bool(np.all(reduced[outside] > np.broadcast_to(needed, reduced.shape)[outside]))
 
 
 def _infeasible(status: str, n: int, rounds: int = 1, groups: int = 1) -> MinCostSolve:
@@ -333,7 +351,7 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
             continue
         # Any plan using a column with reduced cost d reaches at most level_lp − d.
         needed = level_lp - mip.objective + tol
-        if needed <= theta or len(keep) == n:
+        if _covers(reduced, keep, needed):
             proven = True
             break
         if time.perf_counter() >= deadline:
@@ -342,7 +360,7 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
     values = np.zeros(n)
     values[keep] = mip.values
     status = mip.status if proven else "feasible-time-limit"
-    bound = mip.bound if proven else max(mip.bound, level_lp - theta)
+    bound = mip.bound if proven else max(mip.bound, level_lp - _least_outside(reduced, keep))
     return replace(mip, status=status, values=tuple(values.tolist()), bound=min(bound, level_lp))
 
 
@@ -450,6 +468,8 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     tol = TOL * max(1.0, abs(z_lp))
     proven = fixed = False
     best = None  # (mip, keep, theta) of the cheapest plan found, kept when a larger ILP runs out of time
+    bound = -math.inf  # the best lower bound any ILP proved for the whole problem
+    incumbent = start  # each ILP starts from the cheapest plan found so far
     extra: set[int] = set()  # the columns the decomposition bound says a cheaper plan may use
     if split_bound is not None:
         # Start from every column a plan within SPLIT_SLACK of the decomposed optimum may use: a plan found there
@@ -458,24 +478,29 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         theta = np.zeros(n_labels)
     while True:
         keep = sorted(first | extra | {int(j) for j in np.nonzero(reduced <= theta[labels])[0]})
+        # The first ILP leaves time for a wider one (the bound of a narrow ILP stops at the least reduced cost
+        # left out).
+        share = 1.0 if best is not None or len(keep) == n else FIRST_ILP_SHARE
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
-                           time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
+                           time_limit_s=max(0.5, share * (deadline - time.perf_counter())), gap_rel=gap_rel,
                            split=split[keep].tolist() if split is not None else None,
-                           start=start[keep].tolist() if start is not None else None)
+                           start=incumbent[keep].tolist() if incumbent is not None else None)
         if mip.status in ("infeasible", "no-solution"):
             if best is not None or len(keep) == n or mip.status == "no-solution" or time.perf_counter() >= deadline:
                 break
             theta = np.maximum(theta * 4, FALLBACK_THETA * abs(z_lp))
             continue
-        if best is None or mip.objective < best[0].objective:
-            best = (mip, keep, theta)
         values = np.zeros(n)
         values[keep] = mip.values
+        # A plan using a column left out costs at least the LP bound plus its reduced cost.
+        bound = max(bound, min(mip.bound, z_lp + _least_outside(reduced, keep)))
+        if best is None or mip.objective <= best[0].objective:
+            best, incumbent = (mip, keep, theta), values
         gap_g = np.bincount(labels, _objective_per_column(problem, d, values), minlength=n_labels) - z_lp_group
         needed = gap_g + tol if split is not None else np.full(n_labels, mip.objective - z_lp + tol)
         by_split = split_bound.needed(mip.objective, tol) if split_bound is not None else None
         # Every column with reduced cost up to what this plan leaves above the LP bound was in the ILP: optimal.
-        if np.all(needed <= theta) or len(keep) == n or (by_split is not None and by_split <= set(keep)):
+        if _covers(reduced, keep, needed[labels]) or (by_split is not None and by_split <= set(keep)):
             fixed = True  # no column outside the ILP is in a cheaper plan: its bound bounds the whole problem
             proven = mip.status == "optimal" or len(keep) == n
             best = (mip, keep, theta)
@@ -485,7 +510,13 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         if by_split is not None and len(by_split) < int((reduced <= needed[labels]).sum()):
             extra = by_split | {keep[i] for i, v in enumerate(mip.values) if v > 0}
             continue
-        theta = np.maximum(theta, needed)
+        # Widen to what proves this plan, or, when the solver could not prove it within the ILP, to what lets the
+        # wider ILP's bound reach the narrow one's.
+        unproven = split is None and mip.status != "optimal"
+        wider = np.maximum(theta, np.minimum(needed, mip.bound - z_lp + tol) if unproven else needed)
+        if not np.any(wider > theta):
+            break
+        theta = wider
         # A group whose threshold would take more than MAX_PER_GROUP columns gets its MAX_PER_GROUP cheapest in
         # reduced cost instead: one more ILP of bounded size, whose plan is then optimal or reported unproven.
         limit = np.array([sorted_reduced[g][min(MAX_PER_GROUP, len(sorted_reduced[g])) - 1]
@@ -495,7 +526,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     if best is not None:
         mip, keep, theta = best
     done = _finish(problem, columns, d, mip, keep, z_lp, lp_values, len(subset), rounds, float(theta.max()),
-                   split, n_groups, targets, deadline, proven)
+                   split, n_groups, targets, deadline, proven, bound)
     if done is None and fixed and split is not None:
         values = np.zeros(n)
         values[keep] = mip.values
@@ -506,7 +537,9 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
 
 
 def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,
-            deadline, proven: bool = True) -> MinCostSolve | None:
+            deadline, proven: bool = True, fixing_bound: float = math.inf) -> MinCostSolve | None:
+    """The MinCostSolve of an ILP over `keep`, or None when a decomposed plan does not fit availability.
+    `fixing_bound`: the best lower bound the ILPs proved for the whole problem (used when `mip` is unproven)."""
     n = len(columns)
     if mip.status in ("infeasible", "no-solution"):
         if split is not None and mip.status == "no-solution":
@@ -521,9 +554,9 @@ def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds,
         if not _fits(problem, d, lp_values):
             whole, _, _, _ = _lp(problem, columns, d, targets, deadline, None)
             z_lp = whole.objective if whole.status == "optimal" else z_lp
-    # Fixing is exact when the plan found leaves no more above the LP bound than the threshold the ILP ran with.
+    # Fixing is exact when the plan found leaves no more above the LP bound than the least reduced cost left out.
     proven = proven or len(keep) == n
-    bound = mip.bound if proven else min(mip.bound, z_lp + theta)
+    bound = mip.bound if proven else fixing_bound
     status = mip.status if proven else "feasible-time-limit"
     result = ilp.SolveResult(status, tuple(values.tolist()), mip.objective, max(bound, min(z_lp, mip.objective)),
                              mip.solve_s)

@@ -12,8 +12,10 @@ model without demand per solve).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pandas as pd
@@ -80,7 +82,21 @@ def load_survivors(store, scenario: Scenario, key: str, keep: Sequence[str] = ()
                            ON p.template_id = t.template_id AND p.prepared_key = ?
                          WHERE t.library_key = ? AND (p.template_id IS NOT NULL OR list_contains(?, t.template_id))
                          ORDER BY t.template_id""", [key, scenario.library_key, list(keep)])
-    return templates_from_frame(df)
+    with _gc_paused():
+        return templates_from_frame(df)
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """The cyclic garbage collector off while tens of thousands of small immutable objects are built: none can be
+    freed, and each collection would walk all of them (core's 10.7k templates: 1.6–2.7 s instead of 4.2–5.7 s)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def planning_templates(store, scenario: Scenario, market: MarketSnapshot,
