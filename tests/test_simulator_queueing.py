@@ -145,6 +145,20 @@ def test_small_message_overtakes_a_large_transfer_on_a_shared_link():
     assert landed[0] - start[0] == pytest.approx(x_l + x_s, rel=1e-9)
 
 
+def test_pipeline_messages_land_in_order_on_their_connection():
+    """A prompt in chunks of 1,000 and 100 tokens over a 1 Gb/s link between two stages: the small chunk's
+    activations wait for the large one's on the stages' connection, so the first token comes at 3d + x₁ (d the
+    iteration, x₁ the large transfer), not before the large chunk has even been computed downstream."""
+    spec = get_model("phi-4")
+    stages = (Stage(0, 20, (L40S,), (1.0,)), Stage(20, 40, (L40S,), (1.0,)))
+    d_ms, link = 10.0, 1.0
+    out = Engine(plan_of((template("aggregated", stages), 1)), workload([0.0], 1100, 1),
+                 ConstantLatencyModel(d_ms, 1.0), config=SimConfig(prefill_chunk_tokens=1000), link_gbps=link).run()
+    x1 = 1000 * spec.activation_bytes_per_token * 8 / (link * 1e9)
+    assert x1 > d_ms / 1000  # the small chunk's transfer would start before the large one lands
+    assert out.ttft_s[0] == pytest.approx(3 * d_ms / 1000 + x1, rel=1e-9)
+
+
 def test_kv_capacity_serialises_requests_that_do_not_fit_together():
     """Room for one request's KV at a time: service is strictly one after another, an M/D/1 queue in effect."""
     prompt, output, d_pre, d_dec = 200, 11, 20.0, 5.0

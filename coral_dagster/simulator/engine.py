@@ -29,7 +29,9 @@ TCP flows get); a transfer runs at the smaller of its two ends' shares, and a tr
 capped at `cross_region_gbps` and delayed by the one-way latency. vLLM's KV connectors send the KV cache on
 connections of their own, so a pipeline's small activations and token ids share the NIC with a KV transfer
 instead of queueing behind it (a first version sent one transfer per NIC at a time, which held 8-byte token ids
-behind 70 MB KV transfers, and capped every transfer at `link_gbps` on its own rather than the node's link).
+behind 70 MB KV transfers, and capped every transfer at `link_gbps` on its own rather than the node's link). The
+pipeline's messages from one node to another are one connection, so they land in order: each waits for the one
+before it on that connection.
 
 Routing is `coral_dagster.routing`, the policy the runtime coordinator runs: at arrival a request gets its entry
 instance and, for a prefill entry, the decode instance in the same region.
@@ -232,11 +234,13 @@ class _Flow:
     """A transfer in flight: bits left at `at_s`, its current rate and a version that outdates its older
     completion events; on landing, `handler(arg)` runs `delay_s` later."""
 
-    __slots__ = ("seq", "src", "dst", "bits", "at_s", "bps", "cap_bps", "version", "delay_s", "handler", "arg")
+    __slots__ = ("seq", "src", "dst", "bits", "at_s", "bps", "cap_bps", "version", "delay_s", "handler", "arg",
+                 "stream")
 
-    def __init__(self, seq, src, dst, bits, now, cap_bps, delay_s, handler, arg):
+    def __init__(self, seq, src, dst, bits, now, cap_bps, delay_s, handler, arg, stream):
         self.seq, self.src, self.dst, self.bits, self.at_s, self.bps = seq, src, dst, bits, now, 0.0
         self.cap_bps, self.version, self.delay_s, self.handler, self.arg = cap_bps, 0, delay_s, handler, arg
+        self.stream = stream
 
     def order(self) -> int:
         return self.seq
@@ -323,6 +327,7 @@ class Engine:
         self.join_left = [0] * n  # tokens left when the request last joined a micro-batch
         self.kv_left = [0] * n  # KV transfers of a decode hand-off not landed yet
         self.flows = 0  # transfers started, numbering them for a reproducible order
+        self.streams: dict[tuple[int, int], deque] = {}  # pipeline connections busy: messages queued behind
         self.redo = [-1] * n  # tokens left of a preempted request waiting to recompute, else -1
         self.adm_order = [0] * n
         self.preempted = [0] * n
@@ -455,16 +460,25 @@ class Engine:
 
     # Transfers.
 
-    def _link(self, src: _Node, dst: _Node, nbytes: float, now: float, handler, arg, out: list) -> None:
-        """Start sending `nbytes` from src to dst; `handler(arg)` runs when they land (module docstring)."""
+    def _link(self, src: _Node, dst: _Node, nbytes: float, now: float, handler, arg, out: list,
+              stream: bool = False) -> None:
+        """Start sending `nbytes` from src to dst; `handler(arg)` runs when they land (module docstring). A `stream`
+        message goes on the src → dst pipeline connection, after the ones already on it."""
+        if stream:
+            key = (src.idx, dst.idx)
+            queued = self.streams.get(key)
+            if queued is not None:
+                queued.append((nbytes, handler, arg))
+                return
+            self.streams[key] = deque()
         cap_bps, delay_s = math.inf, 0.0
         if src.inst.region != dst.inst.region:
             cap_bps, delay_s = self.cfg.cross_region_gbps * 1e9, self.cfg.cross_region_latency_ms / 1000.0
-        if nbytes <= 0:
-            out.append((now + delay_s, PRIO_TRANSFER, handler, arg))
-            return
         self.flows += 1
-        f = _Flow(self.flows, src, dst, nbytes * 8.0, now, cap_bps, delay_s, handler, arg)
+        f = _Flow(self.flows, src, dst, nbytes * 8.0, now, cap_bps, delay_s, handler, arg, stream)
+        if nbytes <= 0:
+            out.append((now, PRIO_TRANSFER, self._flow_done, (f, f.version)))
+            return
         src.tx.add(f)
         dst.rx.add(f)
         self._rerate(src, dst, now, out)
@@ -491,6 +505,13 @@ class Engine:
         f.version += 1
         out: list = [(now + f.delay_s, PRIO_TRANSFER, f.handler, f.arg)]
         self._rerate(f.src, f.dst, now, out)
+        if f.stream:  # the connection's next message, if any, goes now
+            key = (f.src.idx, f.dst.idx)
+            queued = self.streams.pop(key)
+            if queued:
+                nbytes, handler, arg = queued.popleft()
+                self._link(f.src, f.dst, nbytes, now, handler, arg, out, stream=True)
+                self.streams[key].extend(queued)
         return out
 
     def _kv_transfer(self, r: int, dst_path: tuple[_Node, ...], now: float, out: list) -> None:
@@ -732,7 +753,7 @@ class Engine:
 
     def _send(self, src: _Node, dst: _Node, groups, chunks, nbytes: float, now: float, out: list) -> None:
         """Activations to the next stage, or sampled token ids from the last stage back to the first."""
-        self._link(src, dst, nbytes, now, self._arrive_items, (dst, groups, chunks), out)
+        self._link(src, dst, nbytes, now, self._arrive_items, (dst, groups, chunks), out, stream=True)
 
     def _prefilled(self, r: int, tail: _Node, now: float, out: list, freed: dict) -> None:
         """The last chunk of r's prompt left the last stage: its first token exists (or a recompute is done)."""
