@@ -109,6 +109,56 @@ def test_pd_handoff_adds_kv_transfer_over_the_slower_nic():
     assert out.finish_s[0] - out.ttft_s[0] == pytest.approx(kv_s + decode_s, rel=1e-9)
 
 
+def test_concurrent_kv_transfers_share_the_nic():
+    """Two hand-offs leave one prefill node for one decode node at once: processor sharing lands the smaller at
+    2·x₁/C and the larger at (x₁ + x₂)/C (C the slower NIC); one at a time would land the first at x₁/C."""
+    spec = get_model("phi-4")
+    pre = template("prefill", (Stage(0, 40, (H100,), (1.0,)),))
+    dec = template("decode", (Stage(0, 40, (L4,), (1.0,)),))
+    prompts, d_pre, d_dec = np.array([1000, 4000]), 5.0, 0.5
+    wl = Workload(("phi-4",), np.zeros(2), np.zeros(2, dtype=int), prompts, np.array([2, 2]), 1e-9)
+    out = Engine(plan_of((pre, 1), (dec, 1)), wl, ConstantLatencyModel(d_pre, d_dec),
+                 config=SimConfig(prefill_chunk_tokens=8192)).run()
+    gbps = min(node_spec(H100).nic_gbps, node_spec(L4).nic_gbps)
+    x1, x2 = (40 * spec.kv_bytes_per_layer(int(p)) * 8 / (gbps * 1e9) for p in prompts)
+    assert out.ttft_s == pytest.approx([d_pre / 1000] * 2, rel=1e-9)
+    landed = out.finish_s - out.ttft_s - d_dec / 1000  # one decode iteration after its KV lands, the node idle
+    assert landed == pytest.approx([2 * x1, x1 + x2], rel=1e-9)
+
+
+def test_small_message_overtakes_a_large_transfer_on_a_shared_link():
+    """A node's link (`link_gbps` below its NIC) is shared: a second transfer starting while a first is in flight
+    halves the first's rate until it ends (closed form: the small one takes 2·x_s, the large one x_l + x_s)."""
+    spec = get_model("phi-4")
+    pre = template("prefill", (Stage(0, 40, (H100,), (1.0,)),))
+    dec = template("decode", (Stage(0, 40, (H100,), (1.0,)),))
+    prompts, d_pre, d_dec, link = np.array([8000, 200]), 1.0, 0.5, 5.0
+    wl = Workload(("phi-4",), np.array([0.0, 0.0015]), np.zeros(2, dtype=int), prompts, np.array([2, 2]), 0.0015)
+    out = Engine(plan_of((pre, 1), (dec, 1)), wl, ConstantLatencyModel(d_pre, d_dec),
+                 config=SimConfig(prefill_chunk_tokens=8192), link_gbps=link).run()
+    x_l, x_s = (40 * spec.kv_bytes_per_layer(int(p)) * 8 / (link * 1e9) for p in prompts)
+    start = out.ttft_s
+    assert start == pytest.approx([d_pre / 1000, 0.0015 + d_pre / 1000], rel=1e-9)
+    assert start[1] < start[0] + x_l  # the small one starts while the large one is in flight
+    landed = out.finish_s - d_dec / 1000
+    assert landed[1] - start[1] == pytest.approx(2 * x_s, rel=1e-9)
+    assert landed[0] - start[0] == pytest.approx(x_l + x_s, rel=1e-9)
+
+
+def test_pipeline_messages_land_in_order_on_their_connection():
+    """A prompt in chunks of 1,000 and 100 tokens over a 1 Gb/s link between two stages: the small chunk's
+    activations wait for the large one's on the stages' connection, so the first token comes at 3d + x₁ (d the
+    iteration, x₁ the large transfer), not before the large chunk has even been computed downstream."""
+    spec = get_model("phi-4")
+    stages = (Stage(0, 20, (L40S,), (1.0,)), Stage(20, 40, (L40S,), (1.0,)))
+    d_ms, link = 10.0, 1.0
+    out = Engine(plan_of((template("aggregated", stages), 1)), workload([0.0], 1100, 1),
+                 ConstantLatencyModel(d_ms, 1.0), config=SimConfig(prefill_chunk_tokens=1000), link_gbps=link).run()
+    x1 = 1000 * spec.activation_bytes_per_token * 8 / (link * 1e9)
+    assert x1 > d_ms / 1000  # the small chunk's transfer would start before the large one lands
+    assert out.ttft_s[0] == pytest.approx(3 * d_ms / 1000 + x1, rel=1e-9)
+
+
 def test_kv_capacity_serialises_requests_that_do_not_fit_together():
     """Room for one request's KV at a time: service is strictly one after another, an M/D/1 queue in effect."""
     prompt, output, d_pre, d_dec = 200, 11, 20.0, 5.0

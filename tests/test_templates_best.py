@@ -16,6 +16,7 @@ from coral_dagster.templates.best import best_for_nodes, best_template, verify_t
 from coral_dagster.templates.queueing import decode_rate
 from coral_dagster.templates.partition import parse_pp_partition, pp_indices
 from coral_dagster.templates.throughput import (
+    DECODE_STEP_FRACTIONS,
     PREFILL_STEP_FRACTIONS,
     Workload,
     build_tables,
@@ -49,10 +50,7 @@ def test_pipeline_latency_and_throughput_rechecked_with_the_perf_model(model, ph
     def budget(n, layers):
         if phase == "prefill":
             return w.slo_ms * w.slo_margin / n_stages * max(PREFILL_STEP_FRACTIONS)
-        # A short request's TPOT carries its KV hand-off (layers of a mean prompt over the NIC) and a cycle's wait.
-        handoff_ms = layers * get_model(model).kv_bytes_per_layer(w.prompt_tokens) * 8e3 / (node_spec(n).nic_gbps * 1e9)
-        d = w.short_output_tokens
-        return (w.slo_ms * w.slo_margin * (d - 1) - handoff_ms) / (d * n_stages)
+        return w.slo_ms * w.slo_margin / n_stages * max(DECODE_STEP_FRACTIONS)
 
     def decode_value(n, layers, p):
         # Running sequences fit S micro-batches of B with the target probability, the cycle linear in their number.
@@ -63,17 +61,27 @@ def test_pipeline_latency_and_throughput_rechecked_with_the_perf_model(model, ph
         rate = decode_rate(n_stages * (one - per_seq), per_seq, n_stages * p.batch, w.attainment_target)
         return min(rate, p.tokens_per_s)
 
+    def nic_load(n, layers, tokens_per_s):
+        # Utilisation of the node's receiving NIC: its layers' KV of every request plus the activations per token.
+        gbps = node_spec(n).nic_gbps
+        kv_bits = layers * get_model(model).kv_bytes_per_layer(w.prompt_tokens) * 8
+        act_bits = 0 if n_stages == 1 else get_model(model).activation_bytes_per_token * 8
+        return tokens_per_s * (kv_bits / w.output_tokens + act_bits) / (gbps * 1e9)
+
     for s in t.stages:
         points = [perf.t_hat(get_model(model), n, phase, s.layers, budget(n, s.layers), ctx,
                              None if n_stages == 1 else node_spec(n).nic_gbps, resident_batches=n_stages)
                   for n in s.nodes]
-        if phase == "prefill":
-            planned = [tables.point(n_stages, n, s.layers) for n in s.nodes]
-            assert all(0 < q.tokens_per_s < p.tokens_per_s and q.stage_ms <= p.stage_ms
-                       for p, q in zip(points, planned) if q.tokens_per_s > 0)
-            points = planned
-        pipeline_ms += max(p.stage_ms for p in points)
-        values = [p.tokens_per_s if phase == "prefill" else decode_value(n, s.layers, p) for n, p in zip(s.nodes, points)]
+        planned = [tables.point(n_stages, n, s.layers) for n in s.nodes]
+        # Decode: no more than the longest step allows, and its NIC below saturation by its KV hand-offs.
+        assert all(0 < q.tokens_per_s <= p.tokens_per_s * (1 + 1e-9) and q.stage_ms <= p.stage_ms + 1e-9
+                   for p, q in zip(points, planned) if q.tokens_per_s > 0)
+        if phase == "decode":
+            assert all(nic_load(n, s.layers, q.tokens_per_s) < 1 for n, q in zip(s.nodes, planned))
+            assert all(q.tokens_per_s <= decode_value(n, s.layers, p) * (1 + 1e-9) for n, p, q in
+                       zip(s.nodes, points, planned))
+        pipeline_ms += max(p.stage_ms for p in planned)
+        values = [q.tokens_per_s for q in planned]
         stage_values.append(sum(values))
         assert s.shares == pytest.approx([v / sum(values) for v in values])
     assert pipeline_ms <= w.slo_ms

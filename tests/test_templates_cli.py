@@ -17,13 +17,13 @@ def run(*args: str):
 
 
 def test_best_json_explain_lets_anyone_recheck_the_optimum():
-    r = run("best", "--model", "gpt-oss-20b", "--phase", "decode", "--nodes", "1xL4:1,1xA10G:1", "--explain", "--json")
+    r = run("best", "--model", "gpt-oss-20b", "--phase", "decode", "--nodes", "1xL40S:1,1xA10G:1", "--explain", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["vllm_env"]["VLLM_PP_LAYER_PARTITION"] == out["pp_partition"]
     assert sum(s["layers"] for s in out["stages"]) == 24
     value = {(row["stages"], row["node"], row["layers"]): row["tokens_per_s"] for row in out["table"]}
-    nodes = ["A10G:1", "L4:1"]
+    nodes = ["A10G:1", "L40S:1"]
     best = 0.0
     for s in (1, 2):
         for assign in itertools.product(range(s), repeat=2):

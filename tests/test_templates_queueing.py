@@ -1,5 +1,6 @@
-"""The queueing bounds behind T̂ against closed forms (M/M/1, M/D/1, Poisson) and a direct event simulation of the
-decode birth-death chain; prefill and decode templates alone in the simulator at 95% of T̂ over several seeds."""
+"""The queueing bounds behind T̂ against closed forms (M/M/1, M/D/1, Poisson), a direct event simulation of the
+decode birth-death chain and of a processor-sharing NIC, and Monte Carlo of a compound Poisson KV load; prefill and
+decode templates alone in the simulator at 95% of T̂ over several seeds."""
 
 from __future__ import annotations
 
@@ -13,7 +14,15 @@ from coral_dagster.errors import CoralError
 from coral_dagster.simulator.latency import ProfileLatencyModel
 from coral_dagster.simulator.reach import template_reach
 from coral_dagster.templates.best import best_for_nodes, one_path_only
-from coral_dagster.templates.queueing import _rounded, decode_rate, max_utilisation, sojourn_within
+from coral_dagster.templates.queueing import (
+    _rounded,
+    decode_rate,
+    handoff_utilisation,
+    kv_sequences,
+    max_utilisation,
+    sojourn_within,
+    trace_lengths,
+)
 
 N = 400
 
@@ -115,6 +124,97 @@ def test_decode_rate_against_an_event_simulation_of_the_chain():
     assert np.mean(over) + 3 * np.std(over, ddof=1) / 2 < 0.95
 
 
+def processor_sharing_sojourn(arrival_ms: np.ndarray, work_ms: np.ndarray) -> np.ndarray:
+    """Sojourn times of an egalitarian processor-sharing server (n jobs in: each served at 1/n), by virtual time."""
+    import heapq
+
+    finish = np.empty(len(arrival_ms))
+    heap: list = []
+    t = v = 0.0
+
+    def complete_until(limit: float) -> None:
+        nonlocal t, v
+        while heap and t + (heap[0][0] - v) * len(heap) <= limit:
+            f, i = heapq.heappop(heap)
+            t += (f - v) * (len(heap) + 1)
+            v = f
+            finish[i] = t
+
+    for i, (a, x) in enumerate(zip(arrival_ms, work_ms)):
+        complete_until(a)
+        if heap:
+            v += (a - t) / len(heap)
+        t = a
+        heapq.heappush(heap, (v + x, i))
+    complete_until(math.inf)
+    return finish - arrival_ms
+
+
+def test_handoff_utilisation_against_a_processor_sharing_nic():
+    """Poisson KV transfers of the helix trace's requests (16 layers of Llama-2-70B over 10 Gb/s) into one
+    processor-sharing NIC: at ρ* at least 95% of requests keep P·h-plus-cycles within their TPOT budget (pooled over
+    three seeds, 3σ), and at a load halfway from ρ* to 1 they do not."""
+    prompts, outputs = trace_lengths("azure-conv")
+    h_ms, cycle_ms, tpot_ms, target = 16 * 4096 * 8 / 10e9 * 1e3, 60.0, 80.0, 0.95
+    rho = handoff_utilisation(prompts, outputs, h_ms, cycle_ms, tpot_ms, target)
+    assert 0.1 < rho < 0.9
+    mean_ms = prompts.mean() * h_ms
+
+    def share(load: float) -> float:
+        met = total = 0
+        for seed in (1, 2, 3):
+            rng = np.random.default_rng(seed)
+            n = 20000
+            pick = rng.integers(0, len(prompts), n)
+            arrival = np.cumsum(rng.exponential(mean_ms / load, n))
+            sojourn = processor_sharing_sojourn(arrival, prompts[pick] * h_ms)
+            room = (outputs[pick] - 1) * (tpot_ms - cycle_ms) - cycle_ms
+            met += int(np.sum(sojourn <= room))
+            total += n
+        return met / total
+
+    sigma = math.sqrt(target * (1 - target) / 60000)
+    assert share(rho) >= target - 3 * sigma
+    assert share(rho + (1 - rho) / 2) < target
+
+
+def test_handoff_utilisation_is_zero_when_short_requests_miss_at_an_idle_nic():
+    """Room (D − 1)(ℓ − c) − c is negative for every request shorter than 1 + c/(ℓ − c) tokens: over 5% of them."""
+    prompts, outputs = np.full(100, 1000.0), np.where(np.arange(100) < 6, 3.0, 500.0)
+    assert handoff_utilisation(prompts, outputs, 0.01, 50.0, 80.0, 0.95) == 0.0
+    assert handoff_utilisation(prompts, outputs, 0.01, 50.0, 80.0, 0.9) > 0.9
+
+
+def test_kv_sequences_with_equal_contexts_is_the_poisson_quantile():
+    """All contexts 1,000 tokens, a 25,600-token cache: 25 fit, so n* is the mean whose Poisson CDF at 25 is 0.95."""
+    n_star = kv_sequences(np.full(10, 1000.0), np.ones(10), 25600.0, 0.95)
+    cdf = lambda n: sum(math.exp(-n) * n ** k / math.factorial(k) for k in range(26))
+    lo, hi = 0.0, 25.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) >= 0.95 else (lo, mid)
+    assert n_star == pytest.approx(lo, rel=2e-3)
+
+
+def test_kv_sequences_against_monte_carlo_of_the_compound_poisson_load():
+    """Heavy-tailed contexts (exponential, mean 1,000): at n* the sum of a Poisson number of them stays within the
+    cache with probability ≥ 0.95 (the grid errs full), and at 1.25 n* it does not."""
+    contexts = 1000.0 * exponential_quantiles(4000)
+    cap, target = 20000.0, 0.95
+    n_star = kv_sequences(contexts, np.ones_like(contexts), cap, target)
+    rng = np.random.default_rng(11)
+
+    def within(n: float) -> float:
+        counts = rng.poisson(n, 40000)
+        totals = np.array([contexts[rng.integers(0, len(contexts), k)].sum() for k in counts])
+        return float(np.mean(totals <= cap))
+
+    sigma = math.sqrt(target * (1 - target) / 40000)
+    assert within(n_star) >= target - 3 * sigma
+    assert within(n_star) <= target + 0.02
+    assert within(1.25 * n_star) < target
+
+
 def test_multi_stage_decode_puts_one_node_on_every_stage():
     assert one_path_only("decode", 2, 3) and one_path_only("aggregated", 3, 5)
     assert not one_path_only("decode", 3, 3) and not one_path_only("decode", 1, 4)
@@ -134,6 +234,7 @@ def latency():
     ("core", "qwen3-32b", "prefill", "2xA10G:2,1xL40S:1,1xL40S:2"),  # mixed GPU types over stages
     ("helix", "llama-2-70b", "prefill", "1xA100:4"),
     ("helix", "llama-2-70b", "decode", "1xA100:4"),  # KV-bound decode: a Poisson count of running sequences
+    ("helix", "llama-2-70b", "decode", "5xV100:4"),  # KV hand-offs load the 10 Gb/s NICs
 ])
 def test_templates_reach_95_percent_at_95_percent_of_t_hat(latency, scenario, model, phase, nodes):
     """Pooled over three seeds, ≥ 95% of requests meet the SLO at 95% of T̂ (Poisson arrivals, trace lengths)."""

@@ -23,6 +23,16 @@ request longer than its instance's `max_model_len` (prompt and output on a decod
 and one token on a prefill one) is refused on arrival, as vLLM's server refuses it, and counted as
 `exceeds-max-model-len`.
 
+Network follows TCP over a node's link: a node sends (and receives) at the tighter of its NIC and the scenario's
+`link_gbps`, and the transfers in flight on one side share it equally (processor sharing, roughly what concurrent
+TCP flows get); a transfer runs at the smaller of its two ends' shares, and a transfer between regions is also
+capped at `cross_region_gbps` and delayed by the one-way latency. vLLM's KV connectors send the KV cache on
+connections of their own, so a pipeline's small activations and token ids share the NIC with a KV transfer
+instead of queueing behind it (a first version sent one transfer per NIC at a time, which held 8-byte token ids
+behind 70 MB KV transfers, and capped every transfer at `link_gbps` on its own rather than the node's link). The
+pipeline's messages from one node to another are one connection, so they land in order: each waits for the one
+before it on that connection.
+
 Routing is `coral_dagster.routing`, the policy the runtime coordinator runs: at arrival a request gets its entry
 instance and, for a prefill entry, the decode instance in the same region.
 """
@@ -144,8 +154,8 @@ class _Stride:
 class _Node:
     __slots__ = ("idx", "inst", "stage", "is_first", "is_last", "lat", "kv_cap", "kv_admit", "kv_used", "running",
                  "max_running", "chunk_tokens", "ready_groups", "ready_chunks", "pq", "busy", "start_pending",
-                 "busy_ms", "iterations", "decode_seqs", "prefill_tokens", "preemptions", "nic_gbps", "tx_free",
-                 "rx_free", "layer_start", "layer_end", "config")
+                 "busy_ms", "iterations", "decode_seqs", "prefill_tokens", "preemptions", "nic_gbps", "tx",
+                 "rx", "layer_start", "layer_end", "config")
 
     def __init__(self, idx, inst, stage, lat, nic_gbps, layer_start, layer_end, config, max_running, watermark):
         self.idx, self.inst, self.stage, self.lat = idx, inst, stage, lat
@@ -168,8 +178,8 @@ class _Node:
         self.prefill_tokens = 0
         self.preemptions = 0
         self.nic_gbps = nic_gbps
-        self.tx_free = 0.0
-        self.rx_free = 0.0
+        self.tx: set[_Flow] = set()  # transfers in flight out of (into) the node
+        self.rx: set[_Flow] = set()
         self.layer_start, self.layer_end, self.config = layer_start, layer_end, config
 
 
@@ -220,6 +230,22 @@ class _Group:
         self.pending_ctx = 0
 
 
+class _Flow:
+    """A transfer in flight: bits left at `at_s`, its current rate and a version that outdates its older
+    completion events; on landing, `handler(arg)` runs `delay_s` later."""
+
+    __slots__ = ("seq", "src", "dst", "bits", "at_s", "bps", "cap_bps", "version", "delay_s", "handler", "arg",
+                 "stream")
+
+    def __init__(self, seq, src, dst, bits, now, cap_bps, delay_s, handler, arg, stream):
+        self.seq, self.src, self.dst, self.bits, self.at_s, self.bps = seq, src, dst, bits, now, 0.0
+        self.cap_bps, self.version, self.delay_s, self.handler, self.arg = cap_bps, 0, delay_s, handler, arg
+        self.stream = stream
+
+    def order(self) -> int:
+        return self.seq
+
+
 @dataclass(frozen=True)
 class EngineOutput:
     """Raw per-request times and per-node counters of one run."""
@@ -242,7 +268,10 @@ class Engine:
     """One simulation run: a plan's instances, a latency model and a workload."""
 
     def __init__(self, plan: Plan, workload: Workload, latency: LatencyModel, *, config: SimConfig = SimConfig(),
-                 link_gbps: float | None = None, model_specs: dict | None = None) -> None:
+                 link_gbps: float | None = None, model_specs: dict | None = None,
+                 node_gbps: dict | None = None) -> None:
+        """`node_gbps` overrides, per node configuration, the bandwidth a node sends and receives at (default:
+        min(its NIC, `link_gbps`))."""
         self.cfg = config
         self.w = workload
         self.link_gbps = link_gbps if link_gbps else float("inf")
@@ -265,7 +294,8 @@ class Engine:
                     row = []
                     for k_node, cfg_node in enumerate(stage.nodes):
                         lat = latency.stage(t.model, cfg_node, stage.layers)
-                        node = _Node(len(self.nodes), inst, s, lat, node_spec(cfg_node).nic_gbps, stage.start,
+                        gbps = (node_gbps or {}).get(cfg_node, min(node_spec(cfg_node).nic_gbps, self.link_gbps))
+                        node = _Node(len(self.nodes), inst, s, lat, gbps, stage.start,
                                      stage.end, cfg_node, config.max_batch_seqs * len(t.stages), config.kv_watermark)
                         planned = stage.batches[k_node] if stage.batches and stage.batches[k_node] > 0 else None
                         node.chunk_tokens = config.prefill_chunk_tokens or planned or chunk_tokens_within(
@@ -295,6 +325,9 @@ class Engine:
         self.prefill_path: list[tuple[_Node, ...] | None] = [None] * n
         self.kv_base = [0] * n  # KV tokens charged at (re)admission on each node of the path
         self.join_left = [0] * n  # tokens left when the request last joined a micro-batch
+        self.kv_left = [0] * n  # KV transfers of a decode hand-off not landed yet
+        self.flows = 0  # transfers started, numbering them for a reproducible order
+        self.streams: dict[tuple[int, int], deque] = {}  # pipeline connections busy: messages queued behind
         self.redo = [-1] * n  # tokens left of a preempted request waiting to recompute, else -1
         self.adm_order = [0] * n
         self.preempted = [0] * n
@@ -415,7 +448,7 @@ class Engine:
                 self._wake(head, now, out)
             elif inst.phase == "decode":
                 self.decode_admitted[r] = now
-                out.append((self._kv_transfer(r, path, now), PRIO_TRANSFER, self._kv_landed, r))
+                self._kv_transfer(r, path, now, out)
             else:
                 head.pq.append([r, self.prompt[r], 0])
                 self._wake(head, now, out)
@@ -427,34 +460,78 @@ class Engine:
 
     # Transfers.
 
-    def _link(self, src: _Node, dst: _Node, nbytes: float, now: float) -> float:
-        """When `nbytes` sent from src reach dst. Each NIC sends (receives) one transfer at a time at its own rate;
-        the path between them (scenario link, or between regions) caps every transfer's rate on its own."""
-        bits = nbytes * 8.0
-        path_gbps = self.link_gbps
-        delay = 0.0
+    def _link(self, src: _Node, dst: _Node, nbytes: float, now: float, handler, arg, out: list,
+              stream: bool = False) -> None:
+        """Start sending `nbytes` from src to dst; `handler(arg)` runs when they land (module docstring). A `stream`
+        message goes on the src → dst pipeline connection, after the ones already on it."""
+        if stream:
+            key = (src.idx, dst.idx)
+            queued = self.streams.get(key)
+            if queued is not None:
+                queued.append((nbytes, handler, arg))
+                return
+            self.streams[key] = deque()
+        cap_bps, delay_s = math.inf, 0.0
         if src.inst.region != dst.inst.region:
-            path_gbps = min(path_gbps, self.cfg.cross_region_gbps)
-            delay = self.cfg.cross_region_latency_ms / 1000.0
-        tx_end = max(now, src.tx_free) + bits / (src.nic_gbps * 1e9)
-        rx_end = max(now, dst.rx_free) + bits / (dst.nic_gbps * 1e9)
-        src.tx_free, dst.rx_free = tx_end, rx_end
-        end = tx_end if tx_end > rx_end else rx_end
-        if path_gbps < src.nic_gbps and path_gbps < dst.nic_gbps:
-            end = max(end, now + bits / (path_gbps * 1e9))
-        return end + delay
+            cap_bps, delay_s = self.cfg.cross_region_gbps * 1e9, self.cfg.cross_region_latency_ms / 1000.0
+        self.flows += 1
+        f = _Flow(self.flows, src, dst, nbytes * 8.0, now, cap_bps, delay_s, handler, arg, stream)
+        if nbytes <= 0:
+            out.append((now, PRIO_TRANSFER, self._flow_done, (f, f.version)))
+            return
+        src.tx.add(f)
+        dst.rx.add(f)
+        self._rerate(src, dst, now, out)
 
-    def _kv_transfer(self, r: int, dst_path: tuple[_Node, ...], now: float) -> float:
-        """Prefill nodes send each decode node the KV of the layers both hold; all pairs in parallel."""
+    def _rerate(self, src: _Node, dst: _Node, now: float, out: list) -> None:
+        """Re-share src's sending and dst's receiving bandwidth among their transfers; each whose rate changed gets
+        a fresh completion event (the old one is outdated by the version)."""
+        for f in sorted(src.tx | dst.rx, key=_Flow.order):
+            bps = min(f.src.nic_gbps * 1e9 / len(f.src.tx), f.dst.nic_gbps * 1e9 / len(f.dst.rx), f.cap_bps)
+            if bps == f.bps:
+                continue
+            if f.bps:
+                f.bits = max(f.bits - f.bps * (now - f.at_s), 0.0)
+            f.at_s, f.bps = now, bps
+            f.version += 1
+            out.append((now + f.bits / bps, PRIO_TRANSFER, self._flow_done, (f, f.version)))
+
+    def _flow_done(self, now: float, arg):
+        f, version = arg
+        if version != f.version:
+            return None
+        f.src.tx.discard(f)
+        f.dst.rx.discard(f)
+        f.version += 1
+        out: list = [(now + f.delay_s, PRIO_TRANSFER, f.handler, f.arg)]
+        self._rerate(f.src, f.dst, now, out)
+        if f.stream:  # the connection's next message, if any, goes now
+            key = (f.src.idx, f.dst.idx)
+            queued = self.streams.pop(key)
+            if queued:
+                nbytes, handler, arg = queued.popleft()
+                self._link(f.src, f.dst, nbytes, now, handler, arg, out, stream=True)
+                self.streams[key].extend(queued)
+        return out
+
+    def _kv_transfer(self, r: int, dst_path: tuple[_Node, ...], now: float, out: list) -> None:
+        """Prefill nodes send each decode node the KV of the layers both hold, all pairs at once; r joins its
+        micro-batch when the last lands."""
         src_path = self.prefill_path[r]
         per_layer = self.specs[self.model_names[r]].kv_bytes_per_layer(self.prompt[r])
-        done = now
+        pairs = []
         for src in src_path:
             for dst in dst_path:
                 overlap = min(src.layer_end, dst.layer_end) - max(src.layer_start, dst.layer_start)
                 if overlap > 0:
-                    done = max(done, self._link(src, dst, overlap * per_layer, now))
-        return done
+                    pairs.append((src, dst, overlap * per_layer))
+        self.kv_left[r] = len(pairs)
+        for src, dst, nbytes in pairs:
+            self._link(src, dst, nbytes, now, self._kv_piece, r, out)
+
+    def _kv_piece(self, now: float, r: int):
+        self.kv_left[r] -= 1
+        return self._kv_landed(now, r) if self.kv_left[r] == 0 else None
 
     def _kv_landed(self, now: float, r: int):
         out: list = []
@@ -676,8 +753,7 @@ class Engine:
 
     def _send(self, src: _Node, dst: _Node, groups, chunks, nbytes: float, now: float, out: list) -> None:
         """Activations to the next stage, or sampled token ids from the last stage back to the first."""
-        at = self._link(src, dst, nbytes, now)
-        out.append((at, PRIO_TRANSFER, self._arrive_items, (dst, groups, chunks)))
+        self._link(src, dst, nbytes, now, self._arrive_items, (dst, groups, chunks), out, stream=True)
 
     def _prefilled(self, r: int, tail: _Node, now: float, out: list, freed: dict) -> None:
         """The last chunk of r's prompt left the last stage: its first token exists (or a recompute is done)."""

@@ -43,7 +43,8 @@ class Reach:
 
 
 class _WithFeeder:
-    """The profile latency model, but the feeder's nodes prefill and decode in a microsecond with unbounded KV."""
+    """The profile latency model, but the feeder's nodes prefill and decode in a microsecond with unbounded KV (and,
+    given to the engine as `node_gbps`, an unbounded link: it stands for a whole prefill fleet)."""
 
     def __init__(self, inner: LatencyModel, feeder: NodeConfig) -> None:
         self.inner, self.feeder = inner, feeder
@@ -83,12 +84,14 @@ def template_reach(template: Template, scenario: Scenario, *, load: float = 0.95
     workload = make_workload([ModelLoad(template.model, sm.trace, rate)], duration_s, seed, "poisson")
     base = latency or ProfileLatencyModel()
     instances = [PlannedInstance(template, _REGION, 1, 0.0)]
+    node_gbps = {}
     if template.phase == "decode":
         feeder = _feeder(template, get_model(template.model).n_layers)
         instances.append(PlannedInstance(feeder, _REGION, 1, 0.0))
         base = _WithFeeder(base, feeder.stages[0].nodes[0])
+        node_gbps = {feeder.stages[0].nodes[0]: float("inf")}
     plan = Plan(scenario.name, "reach", "optimal", 0.0, 0.0, 0.0, 0.0, tuple(instances), {}, {})
-    out = Engine(plan, workload, base, config=config, link_gbps=scenario.link_gbps).run()
+    out = Engine(plan, workload, base, config=config, link_gbps=scenario.link_gbps, node_gbps=node_gbps).run()
     ttft_ms = (out.ttft_s - workload.arrival_s) * 1000.0
     decode_tokens = np.maximum(workload.output_tokens - 1, 1)
     tpot_ms = np.where(workload.output_tokens > 1, (out.finish_s - out.ttft_s) * 1000.0 / decode_tokens, 0.0)

@@ -1,5 +1,6 @@
 """Queueing bounds behind T̂: the M/G/1 utilisation a prefill node keeps its TTFT at, the Poisson load a decode batch
-holds.
+holds, the utilisation a decode node's NIC keeps its KV hand-offs within the TPOT at, the KV cache's hold on a
+Poisson number of sequences of unequal contexts.
 
 A prefill node under Poisson arrivals works its prompts' tokens first-come first-served at μ tokens/s (chunked
 prefill batches whatever is queued), so a prompt's time to its first token is the M/G/1 sojourn W + P/μ. The
@@ -81,15 +82,17 @@ _BUDGET_STEPS_PER_DOUBLING = 32
 
 
 @lru_cache(maxsize=None)
-def _trace_prompts(trace: str) -> np.ndarray:
+def trace_lengths(trace: str) -> tuple[np.ndarray, np.ndarray]:
+    """(prompt tokens, output tokens) of every request of a bundled trace."""
     from coral_dagster.catalog.traces import load_trace
 
-    return load_trace(trace).prompt_tokens.to_numpy(dtype=np.float64)
+    df = load_trace(trace)
+    return df.prompt_tokens.to_numpy(dtype=np.float64), df.output_tokens.to_numpy(dtype=np.float64)
 
 
 @lru_cache(maxsize=None)
 def _cached(trace: str, seq_tokens: int, grid_index: int, target: float) -> float:
-    prompts = _trace_prompts(trace) if trace else np.array([float(seq_tokens)])
+    prompts = trace_lengths(trace)[0] if trace else np.array([float(seq_tokens)])
     return max_utilisation(prompts, 2.0 ** (grid_index / _BUDGET_STEPS_PER_DOUBLING), target)
 
 
@@ -101,6 +104,30 @@ def prefill_utilisation(trace: str, seq_tokens: int, budget_tokens: float, targe
     index = math.floor(math.log2(budget_tokens) * _BUDGET_STEPS_PER_DOUBLING)
     return _cached(trace, int(seq_tokens), index, float(target))
 
+
+def handoff_utilisation(prompt_tokens: np.ndarray, output_tokens: np.ndarray, ms_per_prompt_token: float,
+                        cycle_ms: float, tpot_ms: float, target: float) -> float:
+    """The highest utilisation ρ of a decode node's receiving NIC at which a share `target` of requests keep their
+    mean TPOT within `tpot_ms`; 0 when more than 1 − target of them miss even at an idle NIC.
+
+    The NIC is an M/G/1 processor-sharing server (concurrent transfers share it, `simulator.engine`) of the requests'
+    KV transfers, P · `ms_per_prompt_token` ms for a prompt of P tokens; under processor sharing a transfer of x ms
+    takes x / (1 − ρ) on average, whatever the sizes' distribution. A request of D output tokens then waits up to one
+    cycle c to join its micro-batch and takes D − 1 cycles, so it keeps its TPOT when
+    P·h / (1 − ρ) + c + (D − 1)·c ≤ (D − 1)·ℓ, i.e. ρ ≤ 1 − P·h / ((D − 1)(ℓ − c) − c); ρ* is the (1 − target)
+    quantile of that bound over the requests (one-token requests have nothing to decode and always keep it).
+    """
+    if not 0 < target < 1:
+        raise CoralError(f"attainment target {target:g}.", "give a target in (0, 1), e.g. 0.95.")
+    prompts = np.asarray(prompt_tokens, dtype=np.float64)
+    outputs = np.asarray(output_tokens, dtype=np.float64)
+    room_ms = (outputs - 1) * (tpot_ms - cycle_ms) - cycle_ms
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bound = np.where(room_ms > 0, 1.0 - prompts * ms_per_prompt_token / room_ms, -np.inf)
+    bound = np.where(outputs <= 1, 1.0, bound)
+    k = math.floor(bound.size * (1.0 - target) + 1e-9)  # at least bound.size - k ≥ target · size keep it
+    rho = float(np.partition(bound, k)[k])
+    return min(max(rho, 0.0), 1.0 - 1e-9)
 
 
 def decode_rate(idle_cycle_ms: float, per_seq_ms: float, slots: int, target: float) -> float:
@@ -127,3 +154,69 @@ def decode_rate(idle_cycle_ms: float, per_seq_ms: float, slots: int, target: flo
         mid = 0.5 * (lo + hi)
         lo, hi = (mid, hi) if within(mid) >= target else (lo, mid)
     return lo
+
+
+#: Grid steps over a KV cache in `kv_sequences`.
+KV_GRID_STEPS = 256
+
+
+def kv_sequences(context_tokens: np.ndarray, weights: np.ndarray, capacity_tokens: float, target: float) -> float:
+    """The highest mean n of a Poisson number of resident sequences whose contexts (`context_tokens` with
+    probabilities ∝ `weights`) sum to at most `capacity_tokens` with probability `target`: the total is compound
+    Poisson, its distribution by Panjer's recursion f(x) = (n / x) Σ_k k·g(k)·f(x − k) on a grid of
+    capacity / `KV_GRID_STEPS` tokens, contexts rounded up to whole steps (errs towards fuller caches)."""
+    if not 0 < target < 1:
+        raise CoralError(f"attainment target {target:g}.", "give a target in (0, 1), e.g. 0.95.")
+    if capacity_tokens <= 0:
+        return 0.0
+    n_grid = KV_GRID_STEPS
+    steps = np.maximum(np.ceil(np.asarray(context_tokens, dtype=np.float64) * n_grid / capacity_tokens - 1e-9), 1)
+    g = np.zeros(n_grid + 1)
+    inside = steps <= n_grid
+    np.add.at(g, steps[inside].astype(np.int64), np.asarray(weights, dtype=np.float64)[inside])
+    g /= float(np.sum(weights))  # mass beyond the cache stays out: one such sequence already overflows it
+    kg = np.arange(n_grid + 1) * g
+
+    def within(n: float) -> float:
+        f = np.zeros(n_grid + 1)
+        f[0] = math.exp(-n)
+        for x in range(1, n_grid + 1):
+            f[x] = n / x * float(np.dot(kg[1:x + 1], f[x - 1::-1]))
+        return float(f.sum())
+
+    hi = float(n_grid)  # every sequence takes at least one step
+    if within(1e-9) < target:
+        return 0.0
+    lo = 0.0
+    while hi - lo > 1e-3 * max(lo, 1.0):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if within(mid) >= target else (lo, mid)
+    return lo
+
+
+#: Points per request at which a resident sequence's context is sampled (its age uniform over its output).
+_AGE_POINTS = 8
+
+
+@lru_cache(maxsize=None)
+def _resident_contexts(trace: str) -> tuple[np.ndarray, np.ndarray]:
+    """Contexts of a resident sequence of a bundled trace and their weights: a request is resident for a time
+    ∝ its output D (length-biased), at an age uniform over it, so its context is P + u·D."""
+    prompts, outputs = trace_lengths(trace)
+    ages = (np.arange(_AGE_POINTS) + 0.5) / _AGE_POINTS
+    contexts = (prompts[:, None] + outputs[:, None] * ages[None, :]).ravel()
+    return contexts, np.repeat(outputs, _AGE_POINTS)
+
+
+@lru_cache(maxsize=None)
+def _kv_cached(trace: str, grid_index: int, target: float) -> float:
+    contexts, weights = _resident_contexts(trace)
+    return kv_sequences(contexts, weights, 2.0 ** (grid_index / _BUDGET_STEPS_PER_DOUBLING), target)
+
+
+def trace_kv_sequences(trace: str, capacity_tokens: float, target: float) -> float:
+    """`kv_sequences` for the resident sequences of a bundled trace, the capacity rounded down to a fine log grid
+    so nearby nodes share one solve."""
+    if capacity_tokens < 1:
+        return 0.0
+    return _kv_cached(trace, math.floor(math.log2(capacity_tokens) * _BUDGET_STEPS_PER_DOUBLING), float(target))

@@ -28,11 +28,22 @@ SLO under load, so:
 The defaults (margin 1.0, the mean prompt, no trace: prompts all of that length, no longest request, no short
 output) keep the paper's budget.
 
-Decode hand-off. A decode request first receives its prompt's KV cache over the decode node's NIC (min with
-`link_gbps`; h_j ms for j layers of a mean prompt) and waits up to one pipeline cycle c = S · step to join a
-micro-batch; its TPOT spreads that over its D − 1 later tokens. For a short request of D_s =
-`short_output_tokens` (the trace's 5th percentile, so 95% of requests are longer) to keep c + (h_j + c)/(D_s − 1)
-within `slo_margin` × ℓ, each stage step is planned within (slo_margin · ℓ · (D_s − 1) − h_j) / (D_s · S).
+Decode hand-off. A decode request first receives its prompt's KV cache: every node of a decode stage receives its
+own j layers of it (h_j ms per prompt token over min(NIC, `link_gbps`)), then waits up to one pipeline cycle
+c = S · step to join a micro-batch; its TPOT spreads both over its D − 1 later tokens. Concurrent transfers share
+the NIC (the simulator's processor sharing), so the node's NIC is an M/G/1-PS server of KV transfers plus the
+activations arriving every cycle (S > 1), and a transfer of x ms takes x/(1 − ρ) on average at utilisation ρ:
+`queueing.handoff_utilisation` gives the highest ρ* at which all but (1 − `attainment_target`)/2 of the trace's
+requests (their own prompt and output lengths) keep the TPOT within `slo_margin` × ℓ (half the misses: a request
+also misses when the running sequences overflow the batch, and with the whole share both together missed 9% on a
+helix six-stage decode). T̂ is capped at the token rate that loads the
+NIC to ρ*: ρ* / (E[P]·h_j / E[D] + a), a the activation ms per token. A first version charged the hand-off only in
+a short request's TPOT at an idle NIC, not as NIC load; its planned rates kept 10 Gb/s helix NICs 60–100% busy.
+The step is the best of the fractions `DECODE_STEP_FRACTIONS` of slo_margin · ℓ/S: a shorter step leaves the
+hand-off more room, a longer one batches more (bound `network` when the NIC cap binds). The KV cache is checked in
+tokens, not only sequences: the resident sequences (Poisson many, each held from its hand-off through its E[D]
+cycles) must fit it with probability `attainment_target` (`queueing.trace_kv_sequences`; the trace's long prompts
+fill a cache sized for mean contexts: a KV-bound helix 1xA100:4 goes from 281 to 240 tokens/s).
 
 Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.prefill_seq_tokens`.
 `decode`: output tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
@@ -60,13 +71,16 @@ import pandas as pd
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
-from coral_dagster.templates.queueing import decode_rate, prefill_utilisation
+from coral_dagster.templates.queueing import (decode_rate, handoff_utilisation, prefill_utilisation, trace_kv_sequences,
+                                              trace_lengths)
 from coral_dagster.templates.types import PHASES, Phase
 
 #: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
 AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 #: Shares of the prefill budget the S steps of a prompt's pass may take; the rest is the prompts' queueing room.
 PREFILL_STEP_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125, 0.0625)
+#: Shares of a decode stage's budget slo_margin · ℓ/S its step may take, longest first; the rest is hand-off room.
+DECODE_STEP_FRACTIONS: tuple[float, ...] = (0.97, 0.95, 0.93, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5, 0.4, 0.3)
 
 
 class ThroughputPointLike(Protocol):
@@ -91,8 +105,7 @@ class Workload:
     `prefill_seq_tokens`: prompt length prefill batches are made of (0: `prompt_tokens`); `slo_margin`: share
     of each stage's budget ℓ/S a step is planned at; `trace`: the bundled trace whose prompt lengths the prefill
     queue serves ("": all of `prefill_seq_tokens`); `attainment_target`: share of prompts that must meet it;
-    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check);
-    `short_output_tokens`: output length of a short request whose TPOT absorbs the decode hand-off (0: none).
+    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check).
     """
 
     model: str
@@ -107,7 +120,6 @@ class Workload:
     trace: str = ""
     attainment_target: float = 0.95
     max_context_tokens: int = 0
-    short_output_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
@@ -141,18 +153,6 @@ def trace_mean_tokens(trace: str) -> tuple[int, int]:
     return round(prompt), round(output)
 
 
-#: Share of requests allowed shorter outputs than the one the decode hand-off is planned for.
-SHORT_OUTPUT_QUANTILE = 0.05
-
-
-@lru_cache(maxsize=None)
-def short_output_tokens(trace: str) -> int:
-    """Output tokens of a bundled trace at `SHORT_OUTPUT_QUANTILE` (at least 2)."""
-    from coral_dagster.catalog.traces import load_trace
-
-    return max(2, int(load_trace(trace).output_tokens.quantile(SHORT_OUTPUT_QUANTILE)))
-
-
 @lru_cache(maxsize=None)
 def longest_request_tokens(trace: str) -> int:
     """Prompt plus output tokens of a bundled trace's longest request."""
@@ -183,8 +183,7 @@ def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
                     slo_margin=float(getattr(scenario_model, "slo_margin", 1.0)),
                     trace=scenario_model.trace,
                     attainment_target=float(getattr(scenario_model, "attainment_target", 0.95)),
-                    max_context_tokens=longest_request_tokens(scenario_model.trace),
-                    short_output_tokens=short_output_tokens(scenario_model.trace))
+                    max_context_tokens=longest_request_tokens(scenario_model.trace))
 
 
 @lru_cache(maxsize=8)
@@ -314,13 +313,7 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
                 elif workload.phase == "prefill":
                     row.append(_prefill_point(perf, spec, c, workload, j, s, send))
                 else:
-                    step = _decode_step_budget(workload, spec, c, j, s)
-                    if step <= 0:
-                        row.append(Point(0.0, 0, 0.0, "network"))
-                        continue
-                    p = perf.t_hat(spec, c, "decode", j, step, workload.decode_context_tokens, send,
-                                   resident_batches=s)
-                    row.append(_decode_point(perf, spec, c, workload, j, s, send, p))
+                    row.append(_decode_handoff_point(perf, spec, c, workload, j, s, send))
             rows.append(tuple(row))
         points[s] = tuple(rows)
         tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
@@ -348,10 +341,13 @@ def _prefill_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: 
 
 
 def _decode_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int, send: float | None,
-                  p: ThroughputPointLike) -> Point:
+                  p: ThroughputPointLike, handoff_ms: float = 0.0) -> Point:
     """Decode T̂: the rate at which the node's running sequences fit its S micro-batches of T̂'s batch B with
     probability `attainment_target` (`queueing.decode_rate`), its cycle S · step(N / S) taken linear in N between one
-    sequence and B per micro-batch; a perf model without curves gives a cycle fixed at S · step(B)."""
+    sequence and B per micro-batch; a perf model without curves gives a cycle fixed at S · step(B). With a trace and
+    a perf model that knows KV capacity, also the rate at which the contexts of the resident sequences (a Poisson
+    number of them, each from its KV hand-off of `handoff_ms` on average through its E[D] cycles) fit the node's KV
+    cache with that probability (`queueing.trace_kv_sequences`: long prompts fill it sooner than the mean one)."""
     if p.tokens_per_s <= 0:
         return Point(0.0, 0, 0.0, str(p.bound))
     curve = getattr(perf, "curve", None)
@@ -363,6 +359,11 @@ def _decode_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stag
         per_seq_ms = max(p.stage_ms - one_ms, 0.0) / (p.batch - 1)
         idle_ms = n_stages * (one_ms - per_seq_ms)
     rate = decode_rate(max(idle_ms, 1e-6), per_seq_ms, n_stages * int(p.batch), w.attainment_target)
+    kv: Callable | None = getattr(perf, "kv_capacity_tokens", None)
+    if kv is not None and w.trace:
+        resident = trace_kv_sequences(w.trace, kv(spec, node, layers), w.attainment_target)
+        hold_ms = w.output_tokens * n_stages * p.stage_ms + handoff_ms
+        rate = min(rate, resident * w.output_tokens * 1000.0 / hold_ms)
     return Point(min(rate, float(p.tokens_per_s)), int(p.batch), float(p.stage_ms), str(p.bound))
 
 
@@ -381,16 +382,40 @@ def _chunked_tokens_per_s(perf, spec, node: NodeConfig, layers: int, prompt_toke
     return 1000.0 * prompt_tokens / ms
 
 
-def _decode_step_budget(w: Workload, spec, node: NodeConfig, layers: int, n_stages: int) -> float:
-    """A decode stage step's budget with the KV hand-off and join wait of a short request (module docstring)."""
-    budget = w.slo_ms * w.slo_margin / n_stages
-    if not w.short_output_tokens:
-        return budget
+def _decode_handoff_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int,
+                          send: float | None) -> Point:
+    """Decode T̂ under the hand-off rule of the module docstring: the best over step fractions of the smaller of
+    the node's compute T̂ (`_decode_point`) and its NIC cap."""
     nic = node_spec(node).nic_gbps
     gbps = nic if w.link_gbps is None else min(nic, float(w.link_gbps))
-    handoff_ms = layers * spec.kv_bytes_per_layer(w.prompt_tokens) * 8 / (gbps * 1e9) * 1e3
-    d = w.short_output_tokens
-    return (w.slo_ms * w.slo_margin * (d - 1) - handoff_ms) / (d * n_stages)
+    h_ms = layers * spec.kv_bytes_per_layer(1) * 8 / (gbps * 1e9) * 1e3
+    act_ms = 0.0 if n_stages == 1 else spec.activation_bytes_per_token * 8 / (gbps * 1e9) * 1e3
+    prompts, outputs = trace_lengths(w.trace) if w.trace else (np.array([w.prompt_tokens]), np.array([w.output_tokens]))
+    tpot_ms = w.slo_ms * w.slo_margin
+    # Half the misses (module docstring): the running sequences' overflow of the batch takes its own.
+    handoff_target = 1.0 - (1.0 - w.attainment_target) / 2
+    best = Point(0.0, 0, 0.0, "network")
+    for fraction in DECODE_STEP_FRACTIONS:
+        step = fraction * tpot_ms / n_stages
+        rho = handoff_utilisation(prompts, outputs, h_ms, n_stages * step, tpot_ms, handoff_target)
+        if rho <= 0:
+            continue
+        nic_cap = rho * 1000.0 / (w.prompt_tokens * h_ms / w.output_tokens + act_ms)
+        if nic_cap <= best.tokens_per_s:
+            continue
+        handoff_ms = w.prompt_tokens * h_ms / (1.0 - rho)  # the mean PS sojourn at the NIC's highest load
+        p = _decode_point(perf, spec, node, w, layers, n_stages, send,
+                          perf.t_hat(spec, node, "decode", layers, step, w.decode_context_tokens, send,
+                                     resident_batches=n_stages), handoff_ms)
+        if p.tokens_per_s <= 0:
+            best = best if best.tokens_per_s > 0 else p
+            break  # shorter steps batch no more
+        point = p if p.tokens_per_s <= nic_cap else Point(nic_cap, p.batch, p.stage_ms, "network")
+        if point.tokens_per_s > best.tokens_per_s:
+            best = point
+        if p.tokens_per_s <= nic_cap:
+            break  # compute binds: shorter steps only lower it
+    return best
 
 
 def _max_layers(perf, spec, node: NodeConfig, n_layers: int, min_kv_tokens: int = 0) -> int:
