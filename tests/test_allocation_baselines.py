@@ -188,3 +188,31 @@ def test_a_scarcity_cost_solve_out_of_time_falls_back_to_the_level_solve(monkeyp
         assert any("not cost-minimised" in n for n in plan.notes)
         assert plan_violations(plan, problem) == []
         assert routed(problem, {(i.template, i.region): i.count for i in plan.instances})["b"] == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_a_level_solve_that_times_out_at_zero_is_retried_with_more_time(seed, monkeypatch):
+    """The first level solve of each fair-share run ends at its time limit with no incumbent; the retry (the real
+    ILP) answers, so fair share still reaches the brute-force max-min level instead of fixing a model at 0."""
+    from coral_dagster.allocation import colgen, ilp, scarcity
+
+    problem = two_model(seed)
+    outcomes = [routed(problem, counts) for counts, _ in every_plan(problem, sold_pairs(problem, problem.templates),
+                                                                    problem.available_nodes)]
+    best = max(min(o.values()) for o in outcomes)
+    if best >= 1 - 1e-9 or best <= 1e-9:
+        pytest.skip("feasible or unservable draw")
+    real, limits = colgen.solve_max_level, []
+
+    def first_times_out(problem, columns, groups, *args, time_limit_s=30.0, **kwargs):
+        if len(groups) > 1:  # fair share's solves (one group per model), not the diagnosis
+            limits.append(time_limit_s)
+            if len(limits) == 1:
+                return ilp.SolveResult("no-solution", (), math.nan, math.nan, time_limit_s)
+        return real(problem, columns, groups, *args, time_limit_s=time_limit_s, **kwargs)
+
+    monkeypatch.setattr(scarcity.colgen, "solve_max_level", first_times_out)
+    plan = solve_plan(problem, scarcity_mode="fair", gap_rel=EXACT, time_limit_s=5.0)
+    assert limits[1] == pytest.approx(scarcity.RETRY_TIME_FACTOR * limits[0])
+    got = routed(problem, {(i.template, i.region): i.count for i in plan.instances})
+    assert min(got.values()) == pytest.approx(best, abs=2e-3)

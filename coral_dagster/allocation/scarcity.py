@@ -13,6 +13,8 @@ from coral_dagster.allocation.types import Bottleneck
 # Extra nodes cost this many times their price in the diagnosis, so the fewest extra dollars come first.
 OVERFLOW_WEIGHT = 1000.0
 TOL = 1e-6
+# A level solve that ends unproven at 0 is tried once more with this many times its time limit.
+RETRY_TIME_FACTOR = 3.0
 
 
 @dataclass(frozen=True)
@@ -134,7 +136,8 @@ def fair_levels(models: Sequence[str], reach: LevelOracle,
 
 class IlpReach:
     """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model); it keeps the counts
-    of every solve, so a plan reaching the levels found is at hand (`witness`)."""
+    of every solve, so a plan reaching the levels found is at hand (`witness`). A solve ending unproven at level 0
+    (no incumbent, or only the empty one, at its time limit) is retried once with `RETRY_TIME_FACTOR` × the time."""
 
     def __init__(self, problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
                  time_limit_s: float = 30.0, gap_rel: float = 1e-4):
@@ -149,9 +152,12 @@ class IlpReach:
         self.last_proven = True
 
     def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
-        r = colgen.solve_max_level(self.problem, self.columns, self.groups,
-                                   {m: v for m, v in held.items() if m not in free}, integer=self.integer,
-                                   time_limit_s=self.time_limit_s, gap_rel=self.gap_rel)
+        floors = {m: v for m, v in held.items() if m not in free}
+        for limit_s in (self.time_limit_s, RETRY_TIME_FACTOR * self.time_limit_s):
+            r = colgen.solve_max_level(self.problem, self.columns, self.groups, floors, integer=self.integer,
+                                       time_limit_s=limit_s, gap_rel=self.gap_rel)
+            if r.status == "optimal" or (r.status == "feasible-time-limit" and r.level > TOL):
+                break  # an unproven 0 is retried once with more time: it would fix a model at 0
         self.last_proven = r.status == "optimal"
         if r.status not in ("optimal", "feasible-time-limit"):
             return 0.0
