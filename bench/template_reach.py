@@ -50,11 +50,11 @@ def sample(templates, per_stratum: int, seed: int) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenarios", default="core,extended,helix")
-    ap.add_argument("--per-stratum", type=int, default=2)
-    ap.add_argument("--load", type=float, default=0.95)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--min-requests", type=int, default=1500)
+    ap.add_argument("--scenarios", default="core,extended,helix", help="comma-separated scenarios whose stored libraries are sampled")
+    ap.add_argument("--per-stratum", type=int, default=2, help="templates drawn per stratum (phase, one or several stages, one or several GPU types)")
+    ap.add_argument("--load", type=float, default=0.95, help="offered load as a share of each template's T̂")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the draw and of the Poisson arrivals")
+    ap.add_argument("--min-requests", type=int, default=1500, help="requests each simulation serves at least")
     args = ap.parse_args()
     store = Store()
     latency = ProfileLatencyModel()
