@@ -216,3 +216,34 @@ def test_a_level_solve_that_times_out_at_zero_is_retried_with_more_time(seed, mo
     assert limits[1] == pytest.approx(scarcity.RETRY_TIME_FACTOR * limits[0])
     got = routed(problem, {(i.template, i.region): i.count for i in plan.instances})
     assert min(got.values()) == pytest.approx(best, abs=2e-3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_dearer(seed, monkeypatch):
+    """Coral's solve over every column is cut short and answers only its first incumbent: the plan is then the
+    homogeneous sub-problem's, costing what Homo-ILP (the same ILP over the homogeneous columns, planned on its
+    own) costs; uncut, Coral is never dearer than Homo-ILP."""
+    from coral_dagster.allocation import colgen, planner
+
+    problem = random_problem(seed, n_models=2, gpus=("L4", "L40S"), counts=(1, 2), n_max=2,
+                             avail_range=(2, 6), demand_range=(500.0, 3000.0))
+    try:
+        homo = plan_homo_ilp(problem, gap_rel=EXACT)
+    except InfeasibleError:
+        pytest.skip("no homogeneous plan meets demand")
+    assert solve_plan(problem, gap_rel=EXACT).cost_usd_per_hour <= homo.cost_usd_per_hour + 1e-6
+    real = colgen.solve_min_cost
+
+    def cut_short(problem, columns, targets=None, *, start=None, **kwargs):
+        done = real(problem, columns, targets, start=start, **kwargs)
+        if start is None:  # the homogeneous sub-problem: solved in full
+            return done
+        return dataclasses.replace(done, result=dataclasses.replace(done.result, status="feasible-time-limit",
+                                                                    values=tuple(start)))
+
+    monkeypatch.setattr(planner.colgen, "solve_min_cost", cut_short)
+    plan = solve_plan(problem, gap_rel=EXACT)
+    if not any("first incumbent" in n for n in plan.notes):
+        pytest.skip("every column homogeneous: no start to take")
+    assert plan.cost_usd_per_hour == pytest.approx(homo.cost_usd_per_hour, rel=1e-9)
+    assert plan_violations(plan, problem) == []
