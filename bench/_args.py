@@ -9,11 +9,12 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def bench_parser(doc: str, *, scenarios: str = "core,extended", duration_s: float = 600.0) -> argparse.ArgumentParser:
+def bench_parser(doc: str, *, scenarios: str = "core,extended", duration_s: float = 600.0,
+                 methods: str = "coral,homo,homo-ilp,cauchy") -> argparse.ArgumentParser:
     """Options every paper bench takes; the evaluation seeds default to ones the closed loop never uses (seed 0)."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--scenarios", default=scenarios, help="comma-separated bundled scenario names or files")
-    ap.add_argument("--methods", default="coral,homo,homo-ilp,cauchy", help="comma-separated planning methods")
+    ap.add_argument("--methods", default=methods, help="comma-separated planning methods")
     ap.add_argument("--seeds", default="11,12,13,14", help="evaluation seeds: each starts the traces elsewhere")
     ap.add_argument("--duration-s", type=float, default=duration_s, help="seconds of traffic per evaluation")
     ap.add_argument("--time-limit-s", type=float, default=30.0, help="solver limit per solve")

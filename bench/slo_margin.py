@@ -3,12 +3,12 @@
 The margin splits each SLO between the templates (every stage step planned within margin × its budget) and the
 capacity rule (bursts queue in the (1 − margin) slack). A larger margin buys more throughput per node and a larger
 burst factor; a smaller one the reverse. For each scenario and margin: every model's margin set to it, the template
-library built (stored in the DuckDB under its own library key), Coral's closed loop sized on the scenario traces
-(seed 0), and the plan evaluated on held-out windows (seeds the loop does not use). The margin a scenario file sets
-is justified when its cost is the least among the margins whose plan meets the target. Prints a table and writes
-bench/results/slo_margin.json.
+library built (stored in the DuckDB under its own library key), and for each method (default Coral only) its
+closed loop sized on the scenario traces (seed 0) and the plan evaluated on held-out windows (seeds the loop does
+not use). The margin a scenario file sets is justified when its cost is the least among the margins whose plan
+meets the target. Prints a table and writes bench/results/slo_margin.json.
 
-    python -m bench.slo_margin [--scenarios core] [--margins 0.6,0.75,0.9] [--seeds 11,12]
+    python -m bench.slo_margin [--scenarios core] [--margins 0.6,0.75,0.9] [--methods coral] [--seeds 11,12]
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ def at_margin(scn, margin: float):
     return replace(scn, models=tuple(replace(m, slo_margin=margin) for m in scn.models))
 
 
-def row_for(scn, margin: float, args, seeds) -> dict:
-    """One scenario at one margin: library size and build time, the sized plan, its held-out attainment."""
-    row = {"scenario": scn.name, "margin": margin, "file_margin": sorted({m.slo_margin for m in scn.models})}
-    t0 = time.perf_counter()
-    templates = library_templates(at_margin(scn, margin))
-    row.update(templates=len(templates), library_s=time.perf_counter() - t0)
+def row_for(scn, margin: float, method: str, library: tuple, args, seeds) -> dict:
+    """One method on one scenario at one margin: library size and build time, the sized plan, its held-out
+    attainment. `library`: the margin's templates and the seconds they took to load or build."""
+    templates, library_s = library
+    row = {"scenario": scn.name, "margin": margin, "method": method,
+           "file_margin": sorted({m.slo_margin for m in scn.models}), "templates": len(templates),
+           "library_s": library_s}
     try:
-        plan, rounds, loop_s = sized(at_margin(scn, margin), "coral", templates, args.time_limit_s)
+        plan, rounds, loop_s = sized(at_margin(scn, margin), method, templates, args.time_limit_s)
     except CoralError as exc:
         row["error"] = str(exc)[:160]
         return row
@@ -47,7 +48,7 @@ def row_for(scn, margin: float, args, seeds) -> dict:
 
 
 def main() -> None:
-    ap = bench_parser(__doc__, scenarios="core")
+    ap = bench_parser(__doc__, scenarios="core", methods="coral")
     ap.add_argument("--margins", default="0.6,0.75,0.9", help="comma-separated margins in (0, 1]")
     args = ap.parse_args()
     seeds = [int(s) for s in names(args.seeds)]
@@ -55,9 +56,12 @@ def main() -> None:
     for name in names(args.scenarios):
         scn = load_scenario(name)
         for margin in (float(x) for x in names(args.margins)):
-            rows.append(row_for(scn, margin, args, seeds))
-            print(rows[-1], flush=True)
-    header = ("scenario", "margin", "file_margin", "templates", "library_s", "status", "usd_per_hour", "mip_gap",
+            t0 = time.perf_counter()
+            library = (library_templates(at_margin(scn, margin)), time.perf_counter() - t0)
+            for method in names(args.methods):
+                rows.append(row_for(scn, margin, method, library, args, seeds))
+                print(rows[-1], flush=True)
+    header = ("scenario", "margin", "method", "file_margin", "templates", "library_s", "status", "usd_per_hour", "mip_gap",
               "loop_rounds", "loop_worst_window", "worst_attainment")
     report(rows, header, args.out or RESULTS / "slo_margin.json",
            {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})

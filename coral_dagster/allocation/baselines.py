@@ -52,14 +52,9 @@ MEMO_STATES = 20_000
 Pool = dict  # nodes left per (region, node configuration)
 
 
-def is_homogeneous(template: Template) -> bool:
-    """All nodes of one configuration."""
-    return len(template.nodes.counts) == 1
-
-
 def is_one_node(template: Template) -> bool:
     """A single node (one VM; tensor parallelism inside it)."""
-    return template.nodes.counts[0][1] == 1 and is_homogeneous(template)
+    return template.nodes.counts[0][1] == 1 and template.homogeneous
 
 
 _HOMOGENEOUS: Recent[tuple[Template, ...]] = Recent(4)
@@ -68,7 +63,7 @@ _HOMOGENEOUS: Recent[tuple[Template, ...]] = Recent(4)
 def homogeneous_problem(problem: AllocationProblem) -> AllocationProblem:
     """The same problem over its homogeneous templates (the selection is remembered per template tuple)."""
     chosen = _HOMOGENEOUS.get(problem.templates,
-                              lambda: tuple(t for t in problem.templates if is_homogeneous(t)))
+                              lambda: tuple(t for t in problem.templates if t.homogeneous))
     return problem.with_changes(templates=chosen)
 
 

@@ -161,7 +161,7 @@ def homogeneous_start(problem: AllocationProblem, columns: Sequence[Column], tim
     node configuration per template: a smaller ILP that proves fast), with its cost; None when there are none, all
     are, or none meets demand in time. As Coral's first incumbent it keeps the plan from ever costing more than the
     homogeneous ablation's."""
-    homogeneous = [j for j, c in enumerate(columns) if len(c.template.nodes.counts) == 1]
+    homogeneous = [j for j, c in enumerate(columns) if c.template.homogeneous]
     if not homogeneous or len(homogeneous) == len(columns):
         return None
     sub = colgen.solve_min_cost(problem, [columns[j] for j in homogeneous], time_limit_s=time_limit_s,

@@ -54,6 +54,11 @@ class Template:
         """The layer split as vLLM's `VLLM_PP_LAYER_PARTITION` takes it."""
         return ",".join(str(s.layers) for s in self.stages)
 
+    @property
+    def homogeneous(self) -> bool:
+        """All nodes of one configuration."""
+        return len(self.nodes.counts) == 1
+
     def node_count(self, node: NodeConfig) -> int:
         """How many nodes of configuration `node` this template uses (`U_c(τ)`)."""
         return self.nodes.as_dict().get(node, 0)
