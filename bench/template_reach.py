@@ -7,6 +7,7 @@ for ≥ 95% of the sample. Libraries are read from the DuckDB store (`coral temp
 Prints a table and writes bench/results/template_reach.json.
 
     python bench/template_reach.py [--scenarios core,extended,helix] [--per-stratum 2] [--load 0.95] [--seed 0]
+        [--phases prefill,decode,aggregated] [--out bench/results/template_reach.json]
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ def stratum(t) -> tuple[str, str, str]:
     return t.phase, "multi-stage" if len(t.stages) > 1 else "one stage", "mixed" if mixed else "one GPU type"
 
 
-def sample(templates, per_stratum: int, seed: int) -> list:
-    """Up to `per_stratum` templates of every stratum, drawn with `seed` from the library in template-id order."""
+def sample(templates, per_stratum: int, seed: int, phases=("prefill", "decode", "aggregated")) -> list:
+    """Up to `per_stratum` templates of every stratum of `phases`, drawn with `seed` from the library in
+    template-id order."""
     groups = defaultdict(list)
     for t in sorted(templates, key=lambda t: t.template_id):
-        if t.tokens_per_s > 0:
+        if t.tokens_per_s > 0 and t.phase in phases:
             groups[stratum(t)].append(t)
     rng = random.Random(seed)
     return [t for key in sorted(groups) for t in rng.sample(groups[key], min(per_stratum, len(groups[key])))]
@@ -55,7 +57,10 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.95, help="offered load as a share of each template's T̂")
     ap.add_argument("--seed", type=int, default=0, help="seed of the draw and of the Poisson arrivals")
     ap.add_argument("--min-requests", type=int, default=1500, help="requests each simulation serves at least")
+    ap.add_argument("--phases", default="prefill,decode,aggregated", help="comma-separated phases to sample")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="JSON file to write")
     args = ap.parse_args()
+    phases = tuple(p for p in args.phases.split(",") if p)
     store = Store()
     latency = ProfileLatencyModel()
     rows = []
@@ -65,7 +70,7 @@ def main() -> None:
         if not library:
             raise CoralError(f"no template library for {name} in {store.path}.",
                              f"build it first: coral templates build --scenario {name}")
-        for t in sample(library, args.per_stratum, args.seed):
+        for t in sample(library, args.per_stratum, args.seed, phases):
             start = time.perf_counter()
             r = template_reach(t, scn, load=args.load, seed=args.seed, min_requests=args.min_requests,
                                latency=latency)
@@ -83,11 +88,12 @@ def main() -> None:
                       f"[{'green' if r['meets'] else 'red'}]{r['attainment']:.1%}", f"{r['ttft_p99_ms']:,.0f}",
                       f"{r['tpot_p99_ms']:,.1f}")
     Console(width=180).print(table)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({"load": args.load, "seed": args.seed, "per_stratum": args.per_stratum,
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"load": args.load, "seed": args.seed, "per_stratum": args.per_stratum,
+                                    "phases": list(phases),
                                    "share_meeting_target": share, "target_attainment": TARGET_ATTAINMENT,
-                                   "target_share": TARGET_SHARE, "templates": rows}, indent=2))
-    print(f"wrote {RESULTS}")
+                                    "target_share": TARGET_SHARE, "templates": rows}, indent=2))
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
