@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import tomllib
 
 import pytest
@@ -84,6 +85,43 @@ def test_engine_advertises_its_public_ip_else_the_one_skypilot_reports(tmp_path,
     out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
+
+
+def _head_script(role: str, tmp_path, scheduler: str, engine: str) -> str:
+    """The head's run script with its two processes replaced by shell stand-ins."""
+    run = task(role)["run"]
+    for cmd, stand_in in (("scheduler", scheduler), ("engine", engine)):
+        run = re.sub(rf"python -m coral_dagster\.cli\.serve {cmd}( [^&\n]*(\\\n[^&\n]*)*)?(?= &)",
+                     stand_in, run)
+    return run
+
+
+@pytest.mark.parametrize("role", ["engine", "vllm"])
+@pytest.mark.parametrize("dies", ["scheduler", "engine"])
+def test_a_head_whose_scheduler_or_engine_exits_stops_the_other_and_fails(role, dies, tmp_path):
+    """Either of a head's two processes exiting ends the job with a failure and takes the other down (the
+    reconciler then relaunches it), instead of an engine left running without its scheduler or the reverse."""
+    (tmp_path / "curl").write_text("#!/bin/sh\nexit 22\n")
+    (tmp_path / "curl").chmod(0o755)
+    survivor = "engine" if dies == "scheduler" else "scheduler"
+    stand_in = {dies: "sh -c 'sleep 0.5; exit 3'",
+                survivor: f"sh -c 'echo $$ > {tmp_path}/pid; exec sleep 60'"}
+    script = _head_script(role, tmp_path, stand_in["scheduler"], stand_in["engine"])
+    assert "sleep 60" in script and "exit 3" in script
+    env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CORAL_LISTEN": "tcp://0.0.0.0:5555", "CORAL_HEAD": "1",
+           "CORAL_NODE_RANK": "0", "CORAL_LAYERS": "0:10", "SKYPILOT_NODE_IPS": "10.1.2.3"}
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode != 0
+    pid = int((tmp_path / "pid").read_text())
+    for _ in range(50):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        raise AssertionError(f"the {survivor} stand-in outlived the head's job")
 
 
 def test_every_cluster_states_its_disk():
