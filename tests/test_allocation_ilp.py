@@ -271,13 +271,13 @@ def test_decomposition_column_generation_and_fixing_match_the_direct_ilp(seed, l
     if loose:  # availability that never binds: the per-group optima are the whole optimum
         problem = problem.with_changes(available_nodes={k: v * 20 for k, v in problem.available_nodes.items()})
     columns, _ = prune_columns(problem)
-    direct = ilp.min_cost(problem, columns, gap_rel=EXACT)
+    direct = ilp.min_cost(problem, columns, gap_rel=EXACT, time_limit_s=600)
     relaxed = ilp.min_cost(problem, columns, integer=False)
     # Force the detour on these small instances, with few starting columns so pricing has work to do.
     monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
     monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
     monkeypatch.setattr(colgen, "FIRST_PER_GROUP", first)  # a poor first plan: fixing must widen the ILP
-    fast = colgen.solve_min_cost(problem, columns, gap_rel=EXACT)
+    fast = colgen.solve_min_cost(problem, columns, gap_rel=EXACT, time_limit_s=600)
     assert fast.result.status == "optimal"
     assert fast.result.objective == pytest.approx(direct.objective, rel=1e-7)
     assert fast.lp_objective == pytest.approx(relaxed.objective, rel=1e-7)
@@ -315,7 +315,8 @@ def test_unproven_fixing_reports_a_bound_below_the_true_optimum(seed, monkeypatc
 
     problem, _ = feasible_random(seed)
     columns, _ = prune_columns(problem)
-    optimum = ilp.min_cost(problem, columns, gap_rel=EXACT)
+    optimum = ilp.min_cost(problem, columns, gap_rel=EXACT, time_limit_s=600)
+    assert optimum.status == "optimal"  # the oracle itself proven, however loaded the machine
     monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
     monkeypatch.setattr(colgen, "INITIAL_PER_KEY", 1)
     monkeypatch.setattr(colgen, "FIRST_PER_GROUP", 1)
@@ -326,3 +327,41 @@ def test_unproven_fixing_reports_a_bound_below_the_true_optimum(seed, monkeypatc
     assert fast.result.objective >= optimum.objective - 1e-7
     if fast.result.status == "optimal":
         assert fast.result.objective == pytest.approx(optimum.objective, rel=1e-7)
+
+
+@pytest.mark.parametrize("seed,ample,direct", [(s, a, d) for s in range(40, 44) for a in (True, False)
+                                               for d in (True, False)])
+def test_an_ilp_stopped_before_any_plan_falls_back_to_the_rounded_lp(seed, ample, direct, monkeypatch):
+    """HiGHS stopping at its limit before any incumbent (every integer solve answers no-solution): the plan is the
+    LP rounded (down, shortfalls filled, dearest dropped). The independent checker finds it meets demand within
+    availability, it costs no less than the optimum, and its bound lies between the LP and the optimum. With ample
+    availability the rounding always fits; with tight availability it may not, and then the error says to raise
+    the limit."""
+    from coral_dagster.allocation import colgen, ilp
+    from coral_dagster.errors import SolverTimeoutError
+
+    problem, _ = feasible_random(seed)
+    if ample:
+        problem = problem.with_changes(available_nodes={k: v * 1000 for k, v in problem.available_nodes.items()})
+    optimum = solve_plan(problem, gap_rel=EXACT, time_limit_s=600)
+    assert optimum.status == "optimal"
+    real = ilp.min_cost
+
+    def timed_out(*args, integer=True, **kw):
+        if integer:
+            return ilp.SolveResult("no-solution", (), math.nan, math.nan, 0.0)
+        return real(*args, integer=integer, **kw)
+
+    monkeypatch.setattr(ilp, "min_cost", timed_out)
+    if not direct:
+        monkeypatch.setattr(colgen, "DIRECT_MAX", 0)
+    try:
+        plan = solve_plan(problem, gap_rel=EXACT)
+    except SolverTimeoutError:
+        assert not ample
+        return
+    assert plan.status == "feasible-time-limit"
+    assert any("the LP rounded" in n for n in plan.notes)
+    assert plan_violations(plan, problem) == []
+    assert plan.objective_usd_per_hour >= optimum.objective_usd_per_hour - 1e-7
+    assert plan.lp_bound_usd_per_hour - 1e-7 <= plan.mip_bound_usd_per_hour <= optimum.objective_usd_per_hour + 1e-7

@@ -25,6 +25,11 @@ therefore uses only columns with d_j ≤ z − Σ_h L_h + L_g − z_LP,g, a thre
 decomposed optimum rather than above the (weaker) whole LP; the whole ILP over those columns is optimal. The
 whole ILP starts from the columns a plan within SPLIT_SLACK of the decomposed optimum may use, so when the
 optimum is that close (usual: a few nodes collide), one ILP finds and proves it.
+
+Rounded LP. When no ILP found a plan before the time limit, the LP's counts are rounded down (which keeps them within
+availability) and what that leaves short of the LP's own routing, per (key, region), is filled with the instances
+that cover most of it per $ within the nodes left; the dearest instances are then dropped one at a time while
+every model's requests stay routable. That plan is returned unproven, bounded by the LP.
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ class MinCostSolve:
     theta: float
     groups: int = 1
     decomposed: bool = False
+    rounded: bool = False
 
 
 @dataclass(frozen=True)
@@ -416,6 +422,9 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
             return _infeasible(lp.status, n)
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
                            gap_rel=gap_rel, start=start)
+        if mip.status == "no-solution":
+            return _finish(problem, columns, _data(problem, columns), mip, list(range(n)), lp.objective,
+                           np.asarray(lp.values), n, 1, math.inf, None, 1, targets, deadline)
         return MinCostSolve(mip, "optimal", lp.objective, n, 1, n, math.inf)
     d = _data(problem, columns)
     keys, a_dem = _demand_matrix(problem, d)
@@ -536,11 +545,80 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     return done
 
 
+def _routable(cov: np.ndarray, weight: np.ndarray, key_model: np.ndarray, n_reg: int) -> bool:
+    """Whether every model's requests can be split over regions with each share's phases served there: per model,
+    the sum over regions of the least (supply / weight) over its phases reaches 1 (C2, C2')."""
+    ratio = np.where(weight > 0, cov / np.where(weight > 0, weight, 1.0), np.inf).reshape(-1, n_reg)
+    for m in np.unique(key_model):
+        least = ratio[key_model == m].min(axis=0)
+        if np.isfinite(least).any() and least[np.isfinite(least)].sum() < 1.0 - 1e-9:
+            return False
+    return True
+
+
+def _rounded(problem: AllocationProblem, d: _Data, lp_values: np.ndarray, targets) -> np.ndarray | None:
+    """The LP's counts rounded down, each (key, region) shortfall against the LP's own routing filled with the
+    instances covering most of it per $ within the nodes left, then the dearest instances dropped while every
+    model stays routable (module docstring); None when a shortfall cannot be filled."""
+    keys, a_dem = _demand_matrix(problem, d, targets)
+    n_reg = max(1, len(d.regions))
+    weight = np.array([1.0 if targets is None else targets.get(k[:2], 1.0) for k in keys])
+    key_model = np.array([k[0] for k in keys[::n_reg]]) if keys else np.array([])
+    lp_cov = a_dem @ lp_values
+    ratio = np.where(weight > 0, lp_cov / np.where(weight > 0, weight, 1.0), np.inf).reshape(-1, n_reg)
+    need = np.zeros(len(keys))
+    for m in np.unique(key_model):
+        rows = np.nonzero(key_model == m)[0]
+        least = ratio[rows].min(axis=0)
+        if not np.isfinite(least).any():
+            continue
+        least = np.where(np.isfinite(least), least, 0.0)
+        for k in rows:  # each phase's share of the model's requests, routed as the LP routes them
+            need[k * n_reg:(k + 1) * n_reg] = weight[k * n_reg:(k + 1) * n_reg] * least / least.sum()
+    values = np.floor(lp_values + 1e-6)
+    left = np.zeros((n_reg, max(1, len(d.configs))))
+    for r, region in enumerate(d.regions):
+        for c, node in enumerate(d.configs):
+            left[r, c] = problem.available_nodes.get((region, node), 0)
+    np.subtract.at(left, d.region_idx, d.use * values[:, None])
+    cov = a_dem @ values
+    csc = a_dem.tocsc()
+    for i in np.nonzero(need - cov > 1e-9)[0]:
+        cols, vals = a_dem.indices[a_dem.indptr[i]:a_dem.indptr[i + 1]], a_dem.data[a_dem.indptr[i]:a_dem.indptr[i + 1]]
+        while need[i] - cov[i] > 1e-9:
+            fits = np.all(d.use[cols] <= left[d.region_idx[cols]] + 1e-9, axis=1)
+            if not fits.any():
+                return None
+            score = np.where(fits, np.minimum(vals, need[i] - cov[i]) / np.maximum(d.price[cols], TOL), -np.inf)
+            j = int(cols[int(np.argmax(score))])
+            values[j] += 1
+            left[d.region_idx[j]] -= d.use[j]
+            cov[csc.indices[csc.indptr[j]:csc.indptr[j + 1]]] += csc.data[csc.indptr[j]:csc.indptr[j + 1]]
+    if not _routable(cov, weight, key_model, n_reg):
+        return None
+    for j in sorted(np.nonzero(values)[0], key=lambda j: -d.price[j]):
+        column = csc[:, j].toarray().ravel()
+        while values[j] > 0 and _routable(cov - column, weight, key_model, n_reg):
+            values[j] -= 1
+            cov = cov - column
+    return values if _fits(problem, d, values) else None
+
+
 def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds, theta, split, n_groups, targets,
             deadline, proven: bool = True, fixing_bound: float = math.inf) -> MinCostSolve | None:
     """The MinCostSolve of an ILP over `keep`, or None when a decomposed plan does not fit availability.
-    `fixing_bound`: the best lower bound the ILPs proved for the whole problem (used when `mip` is unproven)."""
+    `fixing_bound`: the best lower bound the ILPs proved for the whole problem (used when `mip` is unproven).
+    With no plan from the ILPs, the rounded LP's (module docstring) when it fits."""
     n = len(columns)
+    if mip.status == "no-solution" and split is None:
+        values = _rounded(problem, d, lp_values, targets)
+        if values is not None:
+            cost = float(_objective_per_column(problem, d, values).sum())
+            result = ilp.SolveResult("feasible-time-limit", tuple(values.tolist()), cost,
+                                     min(cost, max(z_lp, fixing_bound) if math.isfinite(fixing_bound) else z_lp),
+                                     mip.solve_s)
+            return MinCostSolve(result, "optimal", z_lp, lp_columns, rounds, len(keep), theta, n_groups,
+                                rounded=True)
     if mip.status in ("infeasible", "no-solution"):
         if split is not None and mip.status == "no-solution":
             return None

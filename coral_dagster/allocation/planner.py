@@ -177,8 +177,13 @@ def homogeneous_start(problem: AllocationProblem, columns: Sequence[Column], tim
 def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
     rest = "provably unused" if cg.result.status == "optimal" else "not proven unused"
     how = f"{cg.groups} independent groups" if cg.decomposed else "one coupled problem"
-    return (f"LP relaxation by column generation: {cg.lp_columns} of {n_columns} columns, {cg.lp_rounds} rounds; "
+    note = (f"LP relaxation by column generation: {cg.lp_columns} of {n_columns} columns, {cg.lp_rounds} rounds; "
             f"ILP ({how}) over {cg.ilp_columns} columns with reduced cost <= {cg.theta:.4g} $/h (the rest {rest})")
+    if cg.rounded:
+        note += ("; no ILP found a plan in time: the plan is the LP rounded (down, shortfalls filled within the "
+                 "nodes left, the dearest instances then dropped while demand stays met; unproven, bounded by the LP; "
+                 "raise `--time-limit-s`)")
+    return note
 
 
 def with_admission(plan: Plan, rates: Mapping[str, float], traces: Mapping[str, str] | None = None) -> Plan:
