@@ -40,13 +40,23 @@ class RecordingLauncher:
 
 @dataclass
 class RecordingDrainer:
-    """A drainer that records ("drain", instance) per request; instances in `slow` report requests in flight."""
+    """A drainer that records ("drain", instance) per request; instances in `slow` report requests in flight. It
+    keeps each coordinator's admission limits as a coordinator does, recording every `admit`."""
 
     slow: set[str] = field(default_factory=set)
     calls: list[tuple[str, str]] = field(default_factory=list)
     coordinators: list[str] = field(default_factory=list)
+    admits: list[tuple[str, str]] = field(default_factory=list)
+    limits: dict[str, str] = field(default_factory=dict)
 
     def drain(self, coordinator: str, instance_id: str, timeout_s: float) -> bool:
         self.calls.append(("drain", instance_id))
         self.coordinators.append(coordinator)
         return instance_id not in self.slow
+
+    def admit(self, coordinator: str, text: str) -> bool:
+        self.admits.append((coordinator, text))
+        changed, self.limits[coordinator] = self.limits.get(coordinator, "") != text, text
+        if changed:
+            self.calls.append(("admit", text))
+        return changed

@@ -83,3 +83,34 @@ def test_drain_reports_an_instance_that_does_not_leave_in_time(coordinator):
 def test_unknown_instance_has_nothing_to_drain(coordinator):
     coord, keys, _ = coordinator
     assert CoordinatorDrainer(poll_s=0.02, environ=keys.env()).drain(coord.address, "never-registered", 1) is True
+
+
+def test_a_live_coordinator_takes_new_admission_limits_and_sheds_by_them(coordinator):
+    """The drainer hands the running coordinator a plan's `CORAL_ADMIT` text: its status reports it, a request
+    beyond the new bucket is shed with 429 naming the limits, the same text again is no change, and text that
+    does not parse is refused with the limits left as they were."""
+    from coral_dagster.errors import CoralError
+    from coral_dagster.runtime.client import Client
+
+    coord, keys, _ = coordinator
+    seen, done, thread = _scheduler(ctx=coordinator[2], keys=keys, endpoint=coord.address, name="abc123-i2",
+                                    leave_after_drain=False)
+    drainer = CoordinatorDrainer(poll_s=0.02, environ=keys.env())
+    text = "phi-4=0.001:2.0"
+    assert drainer.admit(coord.address, text) is True
+    assert drainer.admit(coord.address, text) is False
+    with Client(coord.address, keys=keys) as client:
+        assert client.status()["admit"] == "phi-4=0.001:2.0"
+        tags = [client.submit("phi-4", prompt="hi", max_tokens=2) for _ in range(3)]
+        shed = client.next_event({tags[2]}, timeout_s=5)
+        assert (shed["kind"], shed.get("status")) == ("error", 429)
+        assert "0.001 req/s with bursts of up to 2 requests" in shed["problem"]
+        for tag in tags[:2]:  # admitted: they wait for a route, never shed
+            first = client.next_event({tag}, timeout_s=5)
+            assert first.get("status") != 429, first
+    with pytest.raises(CoralError, match="not model=rate"):
+        drainer.admit(coord.address, "phi-4=fast")
+    assert coord.admit_text == "phi-4=0.001:2.0"
+    assert drainer.admit(coord.address, "") is True and coord.admission.rates == {}
+    done.set()
+    thread.join(timeout=5)

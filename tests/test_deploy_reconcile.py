@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -21,6 +22,7 @@ from deploy_fakes import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
 from coral_dagster.deploy.tasks import role_template
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.config import format_admit, parse_admit
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
 
@@ -193,6 +195,32 @@ def test_new_plan_launches_added_drains_then_downs_removed_and_keeps_the_rest(st
     assert {c: launcher.requests[c].config["envs"]["CORAL_COORDINATOR"] for c in added} == \
         {c: coord if c == new_head else "" for c in added}
     assert set(drainer.coordinators) == {coord}
+
+
+def test_a_replan_hands_the_live_coordinator_its_admission_limits_once(store):
+    """The coordinator a first plan started keeps running; a second plan that serves less than the demand reaches
+    it as `CORAL_ADMIT` text (what a fresh coordinator reads) after the new instances launch and before any drain,
+    a third run of the same plan changes nothing, and a plan serving everything lifts the limits."""
+    calls: list[tuple[str, str]] = []
+    launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
+    reconcile(P1, "p1", store, launcher, drainer, PRICES)
+    assert ("admit", "") not in calls and not [c for c in calls if c[0] == "admit"]
+    coord = nodes(store)[nodes(store).role == "coordinator"].address.item()
+    short = replace(P2, admit_req_s={"gpt-oss-20b": 1.5}, admit_depth_req={"gpt-oss-20b": 40.0})
+    n_before = len(calls)
+    reconcile(short, "p2", store, launcher, drainer, PRICES)
+    new = calls[n_before:]
+    text = format_admit(short.admit_req_s, short.admit_depth_req, short.admit_peak)
+    assert parse_admit(text)[:2] == ({"gpt-oss-20b": 1.5}, {"gpt-oss-20b": 40.0})
+    assert drainer.limits == {coord: text}
+    at = new.index(("admit", text))
+    assert all(i < at for i, c in enumerate(new) if c[0] == "launch")
+    assert all(i > at for i, c in enumerate(new) if c[0] in ("drain", "down"))
+    n_before = len(calls)
+    again = reconcile(short, "p2", store, launcher, drainer, PRICES)
+    assert calls[n_before:] == [] and again.status == "done"
+    reconcile(P2, "p2b", store, launcher, drainer, PRICES)
+    assert drainer.limits == {coord: ""} and calls[-1] == ("admit", "")
 
 
 def test_failed_node_rolls_back_its_instance_and_is_marked_failed(store):

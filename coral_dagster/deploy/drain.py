@@ -1,4 +1,5 @@
-"""The real drainer: asks the coordinator over ZeroMQ to drain an instance, then waits until the instance leaves."""
+"""The real drainer: asks the coordinator over ZeroMQ to drain an instance, then waits until the instance leaves;
+and hands a live coordinator a new plan's admission limits."""
 
 from __future__ import annotations
 
@@ -40,3 +41,16 @@ class CoordinatorDrainer:
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(self.poll_s)
+
+    def admit(self, coordinator: str, text: str) -> bool:
+        from coral_dagster.runtime.client import Client
+        from coral_dagster.runtime.security import CurveKeys
+
+        with Client(coordinator, keys=CurveKeys.from_env(self.environ), insecure=self.insecure) as client:
+            if client.status().get("admit", "") == text:
+                return False
+            reply = client.admit(text)
+            if reply.get("kind") == "error":
+                raise CoralError(f"the coordinator at {coordinator} refused the admission limits {text!r}: "
+                                 f"{reply.get('problem')}", str(reply.get("fix", "")))
+            return True

@@ -37,12 +37,16 @@ class Launcher(Protocol):
 
 
 class Drainer(Protocol):
-    """Asks the coordinator to stop routing to an instance and waits for its in-flight requests.
+    """Talks to the live coordinator: drains instances, and sets the plan's admission limits.
 
-    Returns True when the instance finished its requests within `timeout_s`, False when it did not.
+    `drain` asks it to stop routing to an instance and waits for its in-flight requests: True when the instance
+    finished them within `timeout_s`, False when it did not. `admit` sets its admission limits to `text` (the
+    plan's `CORAL_ADMIT`, empty to admit everything): True when they changed, False when they already held.
     """
 
     def drain(self, coordinator: str, instance_id: str, timeout_s: float) -> bool: ...
+
+    def admit(self, coordinator: str, text: str) -> bool: ...
 
 
 def resolve_secrets(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> dict[str, str]:

@@ -254,10 +254,13 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
                 state.set_status(con, cluster, "draining", run.run_id, "plan", removal.reason)
 
     coordinator = diff.coordinator_cluster
-    if diff.coordinator is not None and coordinator not in run.addresses:
+    live = coordinator in run.addresses
+    if diff.coordinator is not None and not live:
         _launch_coordinator(diff.coordinator, launcher, run, len(diff.keep))
     for inst in diff.launch:
         _launch_instance(inst, coordinator, launcher, run)
+    if diff.coordinator is not None and live:
+        _set_admission(diff.coordinator, run.addresses[coordinator], drainer, run)
     for removal in diff.remove:
         _remove(removal, run.addresses.get(coordinator or ""), launcher, drainer, drain_timeout_s, run)
     status = "failed" if run.failed else "done"
@@ -293,6 +296,18 @@ def _launch_coordinator(node: NodeSpec, launcher: Launcher, run: _Run, kept: int
         run.finish("failed", kept)
         raise CoralError(f"the coordinator {node.cluster_name} did not start: {exc}",
                          "fix the cause and run `coral launch` again; planned instances stay pending and resume.")
+
+
+def _set_admission(node: NodeSpec, address: str, drainer: Drainer, run: _Run) -> None:
+    """Hand the live coordinator the plan's admission limits (a fresh one got them as `CORAL_ADMIT`), after the
+    new instances are up and before any is removed; a failure is noted and fails the run, so the next one retries."""
+    text = dict(node.envs).get("CORAL_ADMIT", "")
+    try:
+        if drainer.admit(address, text):
+            run.note(f"the live coordinator {node.cluster_name} now admits {text or 'every request'}")
+    except CoralError as exc:
+        run.note(f"the live coordinator {node.cluster_name} kept its old admission limits: {exc}")
+        run.failed.append(node.cluster_name)
 
 
 def _launch_instance(inst: InstanceSpec, coordinator: str | None, launcher: Launcher, run: _Run) -> None:
@@ -376,6 +391,9 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
                                 out_dir)
         written.append(path)
         commands.append(tasks.launch_command(node, path, later))
+    if diff.coordinator is not None and coordinator in diff.addresses:
+        text = dict(diff.coordinator.envs).get("CORAL_ADMIT", "")
+        commands.append(f"# set the live coordinator's admission limits to {text or 'none (admit every request)'}")
     for removal in diff.remove:
         if removal.instance_id != COORDINATOR_SLOT:
             commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")

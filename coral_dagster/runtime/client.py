@@ -88,7 +88,7 @@ class Client:
         return [final[t] for t in tags]
 
     def call(self, header: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-        """Send a command (`status`, `drain`) and wait for its reply."""
+        """Send a command (`status`, `drain`, `admit`) and wait for its reply."""
         tag = self._tag()
         wire.send(self.sock, {**header, "tag": tag}, block=True)
         return self.next_event({tag}, timeout_s)
@@ -98,6 +98,10 @@ class Client:
 
     def drain(self, instance: str) -> dict[str, Any]:
         return self.call({"kind": "drain", "instance": instance})
+
+    def admit(self, text: str) -> dict[str, Any]:
+        """Set the coordinator's admission limits (`--admit` text; empty admits everything)."""
+        return self.call({"kind": "admit", "admit": text})
 
     def wait_ready(self, n_instances: int, timeout_s: float) -> dict[str, Any]:
         """Poll status until `n_instances` instances are ready; raises with the last status when time runs out."""

@@ -12,7 +12,7 @@ from typing import Any
 import zmq
 
 from coral_dagster.runtime import wire
-from coral_dagster.runtime.config import CoordinatorConfig
+from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_admit
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
                                           token_ids)
@@ -61,8 +61,8 @@ class _Request:
 
 
 class Coordinator:
-    """Clients (`submit`, `cancel`, `drain`, `status`) and schedulers share one ROUTER socket; the HTTP front door
-    reaches the same loop through an inproc socket.
+    """Clients (`submit`, `cancel`, `drain`, `admit`, `status`) and schedulers share one ROUTER socket; the HTTP
+    front door reaches the same loop through an inproc socket.
 
     A request goes to an aggregated instance (`generate`), or when the model has ready prefill and decode
     instances, to a decode instance (`decode`, which answers with its KV route) and then to a prefill instance
@@ -95,6 +95,7 @@ class Coordinator:
         self.tokenizer = ByteTokenizer()
         self.routing = Router()
         self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
+        self.admit_text = format_admit(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
         self._ids = itertools.count()
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0}
         self.http = None
@@ -151,12 +152,12 @@ class Coordinator:
             wire.send(sock, {"kind": "error", "tag": h.get("tag"), "problem": problem, "fix": fix, "status": status},
                       to=ident)
 
-    _CLIENT_KINDS = ("submit", "cancel", "drain", "status")
+    _CLIENT_KINDS = ("submit", "cancel", "drain", "admit", "status")
 
     def _handle(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
         kind = h["kind"]
         client = {"submit": self._submit, "cancel": self._cancel, "drain": self._drain_request,
-                  "status": self._status}
+                  "admit": self._admit, "status": self._status}
         if kind in client:
             client[kind](sock, ident, h, now)
             return
@@ -449,13 +450,27 @@ class Coordinator:
         wire.send(sock, {"kind": "draining", "tag": h.get("tag"), "instance": name, "in_flight": len(inst.requests)},
                   to=ident)
 
+    def _admit(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
+        """New admission limits (`--admit` text, empty admits everything), so a re-plan reaches a live coordinator
+        without a restart; their buckets start full. Text that does not parse changes nothing."""
+        try:
+            rates, depths, peaks = parse_admit(str(h.get("admit", "")))
+        except CoralError as exc:
+            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "status": 400, "problem": exc.problem,
+                             "fix": exc.fix}, to=ident)
+            return
+        self.admission = Admission(rates, depths, peaks)
+        self.admit_text = format_admit(rates, depths, peaks)
+        log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
+        wire.send(sock, {"kind": "admitted", "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
+
     def _serving(self) -> list[str]:
         """Models a request could be dispatched for right now."""
         return sorted(m for m in self._models() if self.routing.can_route(m, self._candidates(m)))
 
     def status(self) -> dict[str, Any]:
         return {"models": self._models(), "serving": self._serving(), "counts": dict(self.counts),
-                "departed": list(self.departed),
+                "departed": list(self.departed), "admit": self.admit_text,
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}
