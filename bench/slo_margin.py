@@ -61,8 +61,8 @@ def main() -> None:
             for method in names(args.methods):
                 rows.append(row_for(scn, margin, method, library, args, seeds))
                 print(rows[-1], flush=True)
-    header = ("scenario", "margin", "method", "file_margin", "templates", "library_s", "status", "usd_per_hour", "mip_gap",
-              "loop_rounds", "loop_worst_window", "worst_attainment")
+    header = ("scenario", "margin", "method", "file_margin", "templates", "library_s", "status", "usd_per_hour",
+              "mip_gap", "loop_rounds", "loop_worst_window", "worst_attainment")
     report(rows, header, args.out or RESULTS / "slo_margin.json",
            {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
 
