@@ -53,13 +53,15 @@ def test_a_vllm_instance_is_one_cluster_per_stage_wired_to_its_head(store):
     assert set(rows.role) == {"vllm", "engine", "coordinator"} and (rows.role == "coordinator").sum() == 1
 
 
-def _run_script(config: dict, tmp_path) -> list[str]:
-    """The node's run script with a `python` on PATH that prints what it was asked to serve."""
-    (tmp_path / "python").write_text('#!/bin/sh\nshift 2\necho "serve $*"\n')
+def _run_script(config: dict, tmp_path, rc: int = 0) -> list[str]:
+    """The node's run script with a `python` on PATH that prints what it was asked to serve (then serves a second,
+    so a head's two processes both start before one ends); the script must exit with `rc`."""
+    (tmp_path / "python").write_text('#!/bin/sh\nshift 2\necho "serve $*"\nsleep 1\n')
     (tmp_path / "python").chmod(0o755)
     env = {**os.environ, **config["envs"], "SKYPILOT_NODE_IPS": "10.9.8.7\n10.9.8.8",
            "PATH": f"{tmp_path}:{os.environ['PATH']}"}
-    done = subprocess.run(["bash", "-c", config["run"]], env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(["bash", "-c", config["run"]], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == rc, done.stderr
     return sorted(done.stdout.splitlines())
 
 
@@ -69,7 +71,8 @@ def test_head_runs_scheduler_and_engine_and_workers_join_its_address(store, tmp_
     rows = state.read_nodes(store)
     gpt = rows[rows.model == "gpt-oss-20b"].sort_values("stage").cluster_name
     head, worker = (launcher.requests[c].config for c in gpt.iloc[:2])
-    assert _run_script(head, tmp_path) == [
+    # The head's job fails once its scheduler or engine ends (the reconciler relaunches it).
+    assert _run_script(head, tmp_path, rc=1) == [
         "serve engine --vllm-head 10.9.8.7 --stage-rank 0 --scheduler tcp://127.0.0.1:5556 "
         "--listen tcp://127.0.0.1:5557",
         "serve scheduler --split 24 --listen tcp://127.0.0.1:5556"]
