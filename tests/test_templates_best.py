@@ -29,7 +29,7 @@ from coral_dagster.templates.throughput import (
     ("qwen3-32b", "prefill", "1xL4:4,3xL40S:1"),  # prefill streams through stages: S > 1 can serve
     ("phi-4", "prefill", "2xA10G:2,2xL40S:2"),
     ("qwen3-32b", "decode", "2xL4:4,2xA10G:2"),
-    ("llama-3.1-70b", "decode", "2xL40S:4,2xA100-80GB:2"),
+    ("llama-3.1-70b", "decode", "2xA100-80GB:2,2xH100:2"),  # four mixed stages at extended's margin 0.6
     ("gpt-oss-120b", "decode", "1xH100:1,2xL40S:1"),
     ("gpt-oss-120b", "aggregated", "1xH100:2,1xL40S:4"),
 ])
