@@ -171,6 +171,10 @@ class Admission:
             return True
         return False
 
+    def admits(self, model: str, arrivals_s: Iterable[float]) -> list[bool]:
+        """Which of the model's requests arriving at `arrivals_s` (in order) are admitted, one `admit` each."""
+        return [self.admit(model, t) for t in arrivals_s]
+
     def limits(self, model: str) -> str:
         """The model's admission limits in words, for the message of a shed request."""
         (rate, depth), *peak = self._buckets[model]

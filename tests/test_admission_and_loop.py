@@ -82,8 +82,8 @@ def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_s
     from coral_dagster.simulator.workload import ModelLoad, make_workload
 
     factors = {("phi-4", "prefill"): 4.0, ("phi-4", "decode"): 6.0}
-    plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0},
-                          {"phi-4": "azure-conv"})
+    phi4 = next(m for m in load_scenario("core").models if m.model == "phi-4")
+    plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0}, [phi4])
     rate, depth = plan.admit_req_s["phi-4"], plan.admit_depth_req["phi-4"]
     peak_rate, peak_depth = plan.admit_peak["phi-4"]
     assert rate == pytest.approx(10.0 * share) and peak_rate == pytest.approx(4.0 * rate)

@@ -91,6 +91,13 @@ def trace_period_s(trace: str, rate_req_s: float) -> float:
     return float(arrival[n] - arrival[0])
 
 
+def _phase_load(phase: str, prompt: np.ndarray, output: np.ndarray, slack_s: float):
+    """Each request's work in the phase (prompt or output tokens) and the wait its slack allows it."""
+    if phase == "prefill":
+        return prompt, np.full(len(prompt), slack_s)
+    return output, slack_s * np.maximum(output - 1.0, 0.0)
+
+
 @lru_cache(maxsize=1024)
 def phase_capacity(model: str, phase: str, trace: str, rate_req_s: float, slo_ms: float, slo_margin: float,
                    target: float, window_s: float = ATTAINMENT_WINDOW_S) -> PhaseCapacity:
@@ -99,8 +106,7 @@ def phase_capacity(model: str, phase: str, trace: str, rate_req_s: float, slo_ms
     period_s = trace_period_s(trace, rate_req_s)
     arrival, prompt, output, n = _stream(trace, rate_req_s, 2 + int(np.ceil(window_s / period_s)))
     slack_s = (1.0 - slo_margin) * slo_ms / 1000.0
-    work = prompt if phase == "prefill" else output
-    budget = np.full(len(arrival), slack_s) if phase == "prefill" else slack_s * np.maximum(output - 1.0, 0.0)
+    work, budget = _phase_load(phase, prompt, output, slack_s)
     mean_rate = float(work[:n].sum()) / (arrival[n] - arrival[0]) if n else 0.0
 
     def met(factor: float) -> float:
@@ -147,3 +153,49 @@ def admission_depth_req(trace: str, rate_req_s: float, share: float, refill_req_
         return 1.0
     backlog = fluid_waits(arrival, np.full(len(arrival), share), refill) * refill + share
     return float(np.ceil(backlog.max())) + 1.0
+
+
+@lru_cache(maxsize=256)
+def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_req: float, carried_req_s: float,
+                max_depth_req: float, phases: tuple[tuple[str, float, float], ...], slo_margin: float, target: float,
+                window_s: float = ATTAINMENT_WINDOW_S) -> tuple[float, float]:
+    """The second admission bucket (refill req/s, depth requests): refilling at `carried_req_s` and `max_depth_req`
+    deep where what the two buckets admit of the whole trace replayed at `rate_req_s` (the first one refilling at
+    `admit_req_s`, `admit_depth_req` deep, as `routing.Admission` admits) meets the rule's criterion in every phase
+    (in every `window_s` window of the second loop, a share `target` of the admitted requests wait within their slack
+    in the fluid queue of the plan's capacity for the phase); else the deepest that does (to one request); else one
+    request deep at the fastest refill in [`admit_req_s`, `carried_req_s`] that does (to 1%), the admitted rate
+    itself where none does. `phases` holds per phase (phase, SLO ms, capacity in units of the trace's mean rate at
+    `rate_req_s`, e.g. served share × capacity factor). Buckets admit a burst's head whole, faster than the evenly
+    thinned stream the rule sized the capacity for, so under sustained overload the queues sit near the second
+    bucket's depth."""
+    from coral_dagster.routing import Admission
+
+    period_s = trace_period_s(trace, rate_req_s)
+    arrival, prompt, output, n = _stream(trace, rate_req_s, 2 + int(np.ceil(window_s / period_s)))
+    loads = []
+    for phase, slo_ms, capacity in phases:
+        work, budget = _phase_load(phase, prompt, output, (1.0 - slo_margin) * slo_ms / 1000.0)
+        loads.append((work, budget, max(capacity * float(work[:n].sum()) / (arrival[n] - arrival[0]), 1e-9)))
+
+    def meets(refill: float, depth: float) -> bool:
+        admitted = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)})
+                            .admits("m", arrival.tolist()))
+        t = arrival[admitted]
+        starts = slice(*np.searchsorted(t, [arrival[n], arrival[2 * n]]))
+        return all(worst_window_share(t, fluid_waits(t, work[admitted], cap) <= budget[admitted], window_s, starts)
+                   >= target for work, budget, cap in loads)
+
+    if meets(carried_req_s, max_depth_req):
+        return carried_req_s, float(max_depth_req)
+    if meets(carried_req_s, 1.0):
+        lo, hi = 1.0, float(max_depth_req)
+        while hi - lo > 1.0:
+            mid = float(np.floor((lo + hi) / 2.0))
+            lo, hi = (mid, hi) if meets(carried_req_s, mid) else (lo, mid)
+        return carried_req_s, lo
+    lo, hi = admit_req_s, carried_req_s
+    while hi / lo > 1.01:
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if meets(mid, 1.0) else (lo, mid)
+    return lo, 1.0

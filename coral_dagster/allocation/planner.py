@@ -10,6 +10,7 @@ from coral_dagster.allocation import colgen, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import Bottleneck, Method, PlannedInstance, Plan, Scarcity, SolveStatus
+from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
 
 # Share of the time limit a Coral solve first spends on its homogeneous columns alone (their plan starts the solve).
@@ -186,28 +187,37 @@ def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
     return note
 
 
-def with_admission(plan: Plan, rates: Mapping[str, float], traces: Mapping[str, str] | None = None) -> Plan:
+def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[ScenarioModel] = ()) -> Plan:
     """The plan with admission rates for the models it serves less than their demand of: the request rate times
-    the share of both phases it serves (`routing.Admission` sheds the rest), and per model whose trace is given the
-    bucket depth at which that trace thinned to the share is never shed (`capacity.admission_depth_req`): the plan
-    was sized for the trace's bursts, so the bucket admits them and sheds only overload sustained past them. A
-    second bucket refills at the request rate the plan's capacity carries (the rate times the least served share ×
-    capacity factor over the phases), as deep as that thinned trace needs against it, so an admitted burst arrives
-    no faster than the plan serves it."""
+    the share of both phases it serves (`routing.Admission` sheds the rest), and per model of `models` (its trace,
+    SLOs, margin and target) the bucket depth at which that trace thinned to the share is never shed
+    (`capacity.admission_depth_req`): the plan was sized for the trace's bursts, so the bucket admits them and sheds
+    only overload sustained past them. A second bucket refills at the request rate the plan's capacity carries (the
+    rate times the least served share × capacity factor over the phases), as deep as that thinned trace needs
+    against it, but no deeper, and if need be refilling slower, than lets what the buckets admit of the whole trace
+    keep the capacity rule's target (`capacity.peak_bucket`): a bucket admits a burst's head whole, so an admitted
+    burst must arrive no faster, and queue no longer, than the plan serves it within its SLO."""
     from dataclasses import replace
 
-    from coral_dagster.allocation.capacity import admission_depth_req
+    from coral_dagster.allocation.capacity import admission_depth_req, peak_bucket
 
     served = plan.served_fraction()
+    described = {m.model: m for m in models}
     admit, depth, peak = {}, {}, {}
     for model, rate in rates.items():
         share = min([served.get((model, p), 1.0) for p in ("prefill", "decode")])
         if share < 1.0 - 1e-9:
             admit[model] = rate * share
-            if (traces or {}).get(model) and share > 0 and rate > 0:
-                trace, rate, share = traces[model], float(rate), float(share)
-                depth[model] = admission_depth_req(trace, rate, share, rate * share)
-                carried = rate * min(served.get((model, p), 1.0) * plan.capacity_factors.get((model, p), 1.0)
-                                     for p in ("prefill", "decode"))
-                peak[model] = (carried, admission_depth_req(trace, rate, share, carried))
+            m = described.get(model)
+            if m is not None and share > 0 and rate > 0:
+                rate, share = float(rate), float(share)
+                depth[model] = admission_depth_req(m.trace, rate, share, rate * share)
+                capacity = {p: served.get((model, p), 1.0) * plan.capacity_factors.get((model, p), 1.0)
+                            for p in ("prefill", "decode")}
+                carried = rate * min(capacity.values())
+                phases = ((p, float(slo), capacity[p]) for p, slo in (("prefill", m.prefill_slo_ms),
+                                                                     ("decode", m.decode_slo_ms)))
+                peak[model] = peak_bucket(m.trace, rate, rate * share, depth[model], carried,
+                                          admission_depth_req(m.trace, rate, share, carried), tuple(phases),
+                                          float(m.slo_margin), float(m.attainment_target))
     return replace(plan, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak) if admit else plan

@@ -54,4 +54,4 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
                                running=running.counts() if running else None, burst_aware=burst_aware,
                                boost=boost)
     return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
-                          scenario_rates(scn, demand_mix), {m.model: m.trace for m in scn.models})
+                          scenario_rates(scn, demand_mix), scn.models)

@@ -93,7 +93,7 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
         problem = scenario_problem(scenario, templates, snapshot, rates=rates,
                                    running=running.counts() if running else None, boost=boost)
         return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
-                              rates, {m.model: m.trace for m in scenario.models}), problem
+                              rates, scenario.models), problem
 
     plan, problem = make({})
     if closed_loop:
