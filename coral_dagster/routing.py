@@ -143,12 +143,14 @@ class Admission:
     rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at the request rate the
     plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it. Buckets
     start full; a request that finds a bucket empty is shed at once (the front door answers 429 with Retry-After),
-    so the admitted ones keep their SLO. Models without a rate are always admitted."""
+    so the admitted ones keep their SLO. A model at rate 0 (the plan serves none of it) is always shed; models
+    without a rate are always admitted."""
 
     def __init__(self, rates_req_s: Mapping[str, float], depths_req: Mapping[str, float] | None = None,
                  peaks: Mapping[str, Sequence[float]] | None = None, burst_s: float = 10.0) -> None:
         self.rates = {m: float(r) for m, r in rates_req_s.items() if r >= 0}
-        self.depths = {m: max(1.0, float((depths_req or {}).get(m, r * burst_s))) for m, r in self.rates.items()}
+        self.depths = {m: max(1.0, float((depths_req or {}).get(m, r * burst_s))) if r > 0 else 0.0
+                       for m, r in self.rates.items()}
         peaks = peaks or {}
         self._buckets = {m: [(r, self.depths[m])] + ([(float(peaks[m][0]), max(1.0, float(peaks[m][1])))]
                                                       if m in peaks else []) for m, r in self.rates.items()}

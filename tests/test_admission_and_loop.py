@@ -172,6 +172,13 @@ def test_bucket_retry_after_is_the_time_to_the_next_token():
     assert a.admit("m", 0.5) and a.admit("other", 0.0)
 
 
+def test_a_model_the_plan_serves_none_of_is_always_shed():
+    """A plan serving 0% of a model admits none of its requests (no instance could serve one), from the first."""
+    arrivals = np.arange(50) / 5.0
+    assert (_simulate(_aggregated_plan({"phi-4": 0.0}), arrivals) == "shed").all()
+    assert Admission({"m": 0.0}).retry_after_s("m", 0.0) == 60.0
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.floats(0.0, 1.0), min_size=2, max_size=2), st.lists(st.floats(0.0, 0.5), min_size=2,
                                                                        max_size=2), st.integers(1, 4))
