@@ -162,8 +162,9 @@ def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_r
     """The second admission bucket (refill req/s, depth requests): refilling at `carried_req_s` and `max_depth_req`
     deep where what the two buckets admit of the whole trace replayed at `rate_req_s` (the first one refilling at
     `admit_req_s`, `admit_depth_req` deep, as `routing.Admission` admits) meets the rule's criterion in every phase
-    (in every `window_s` window of the second loop, a share `target` of the admitted requests wait within their slack
-    in the fluid queue of the plan's capacity for the phase); else the deepest that does (to one request); else one
+    (in every `window_s` window starting in the first two loops, a share `target` of the admitted requests wait
+    within their slack in the fluid queue of the plan's capacity for the phase; from the start, as a coordinator
+    starts: buckets full, queues empty); else the deepest that does (to one request); else one
     request deep at the fastest refill in [`admit_req_s`, `carried_req_s`] that does (to 1%), the admitted rate
     itself where none does. `phases` holds per phase (phase, SLO ms, capacity in units of the trace's mean rate at
     `rate_req_s`, e.g. served share × capacity factor). Buckets admit a burst's head whole, faster than the evenly
@@ -182,7 +183,7 @@ def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_r
         admitted = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)})
                             .admits("m", arrival.tolist()))
         t = arrival[admitted]
-        starts = slice(*np.searchsorted(t, [arrival[n], arrival[2 * n]]))
+        starts = slice(0, int(np.searchsorted(t, arrival[2 * n])))
         return all(worst_window_share(t, fluid_waits(t, work[admitted], cap) <= budget[admitted], window_s, starts)
                    >= target for work, budget, cap in loads)
 
