@@ -39,7 +39,8 @@ def _print_plan(plan) -> None:
         depth = plan.admit_depth_req.get(m)
         peak = plan.admit_peak.get(m)
         click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
-                   else "") + (f" arriving at most {peak[0]:.3g} req/s (+{peak[1]:,.0f})" if peak else "")
+                   else "") + (f", let in at most {peak[0]:.3g} req/s (a second bucket {peak[1]:,.0f} deep)" if peak
+                                else "")
                    + " (the rest are shed with 429)")
     for b in plan.bottlenecks:
         click.echo(f"bottleneck: {b.describe()}")
