@@ -65,7 +65,7 @@ class BenchConfig:
     # (one layer's decode step takes 1.34 ms on an A100-40GB, 80 layers 107 ms): compare at a throughput-oriented
     # SLO instead (prefill ms, decode ms per token); None keeps the scenario's.
     helix_slo_ms: tuple[float, float] | None = (20000.0, 1000.0)
-    settings: tuple[str, ...] = ("default", "imbalanced", "scarcity", "replan")
+    settings: tuple[str, ...] = ("default", "imbalanced", "scarcity", "replan", "attainment")
     # Simulated goodput: seconds of arrivals per plan (0: no simulation), arrival process and seed. Poisson
     # arrivals at exactly the planned rates with the traces' request lengths: a replayed trace's short windows run
     # well off its mean rate, so they would measure the window rather than the plan.
@@ -73,6 +73,10 @@ class BenchConfig:
     sim_trace: str = "poisson"
     sim_seed: int = 0
     sim_replan: bool = True
+    # Equal attainment (`bench.equal_attainment`): held-out seeds and seconds per seed, solver limit per solve.
+    attainment_seeds: tuple[int, ...] = (11, 12, 13, 14)
+    attainment_duration_s: float = 600.0
+    attainment_time_limit_s: float = 30.0
 
 
 def bench_simulator(config: BenchConfig) -> Simulator | None:
@@ -267,6 +271,20 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
     return out
 
 
+def equal_attainment_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig) -> list[dict]:
+    """Per method its fixed-demand cost and the cost at which its plan, sized by the capacity rule and the closed
+    loop, meets the attainment target on held-out windows of the scenario's traces (`bench.equal_attainment`),
+    with both as ratios to Coral's."""
+    from types import SimpleNamespace
+
+    from bench.equal_attainment import row_for, with_ratios
+
+    args = SimpleNamespace(time_limit_s=config.attainment_time_limit_s, duration_s=config.attainment_duration_s,
+                           relax="2,4")
+    return with_ratios([row_for(scenario, method, templates, args, list(config.attainment_seeds))
+                        for method in config.methods])
+
+
 def prepare_libraries(problem: AllocationProblem) -> tuple[float, PruneReport]:
     """Prepare (dominance once per library) Coral's and the homogeneous baselines' libraries of a scenario, so
     no timed solve pays it; returns the seconds it took and Coral's pruning report."""
@@ -299,6 +317,7 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
     rows: list[dict] = []
     replan_summary: list[dict] = []
     replan_detail: list[dict] = []
+    attainment: list[dict] = []
     libraries = {}
     simulator = bench_simulator(config)
     for name in step(config.scenarios, "scenarios"):
@@ -332,6 +351,8 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
                 rows += _run_methods(f"scarcity:+{round((head - 1) * 100)}%", scenario, scarce, config, goodput,
                                      scarcity_mode="scale", extra={"demand_factor": factor},
                                      simulated=sim_at({m: r * factor for m, r in base_rates.items()}))
+        if "attainment" in config.settings:
+            attainment += equal_attainment_rows(scenario, templates, config)
         if "replan" in config.settings:
             summary, detail = replan_rows(scenario, templates, config, goodput,
                                           simulator if config.sim_replan else None)
@@ -352,6 +373,7 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
         "rows": rows,
         "replan": replan_summary,
         "replan_windows": replan_detail,
+        "equal_attainment": attainment,
         "helix": helix,
         "wall_s": time.perf_counter() - started,
     }
@@ -378,6 +400,12 @@ def bench_tables(doc: dict) -> list[tuple[str, pd.DataFrame]]:
     if doc.get("rows"):
         tables.append(("allocation: cost, goodput (fluid | simulated) and solve time per method",
                        pd.DataFrame(doc["rows"]).reindex(columns=list(ROW_COLUMNS))))
+    if doc.get("equal_attainment"):
+        from bench.equal_attainment import HEADER
+
+        tables.append(("equal attainment: each method's cost at which its plan meets the target on held-out trace "
+                       "windows, beside its fixed-demand cost", pd.DataFrame(doc["equal_attainment"]).reindex(
+                           columns=list(HEADER))))
     if doc.get("replan"):
         window = doc.get("config", {}).get("replan_window_min", 6.0)
         horizon = doc.get("config", {}).get("replan_horizon_min", 30.0)

@@ -21,7 +21,10 @@ from coral_dagster.allocation.scenario_plans import plan_scenario
 from coral_dagster.app.closed_loop import closed_loop
 from coral_dagster.errors import CoralError
 
-FULL = {"optimal", "feasible-time-limit", "heuristic"}
+HEADER = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", "fixed_x_coral", "sized_status",
+          "sized_usd_per_hour", "loop_worst_window", "sized_worst_attainment", "sized_x_coral", "loop_rounds",
+          "reach_usd_per_hour", "reach_served_share", "reach_worst_attainment", "relaxed_availability",
+          "relaxed_usd_per_hour", "relaxed_worst_attainment")
 
 
 def sized(scn, method, templates, time_limit_s, availability_scale=1.0):
@@ -79,6 +82,16 @@ def row_for(scn, method, templates, args, seeds) -> dict:
     return row
 
 
+def with_ratios(rows: list[dict]) -> list[dict]:
+    """The rows with each method's fixed-demand and sized cost over Coral's on the same scenario."""
+    for r in rows:
+        coral = next((x for x in rows if x["scenario"] == r["scenario"] and x["method"] == "coral"), {})
+        for kind in ("fixed", "sized"):
+            if r.get(f"{kind}_usd_per_hour") and coral.get(f"{kind}_usd_per_hour"):
+                r[f"{kind}_x_coral"] = r[f"{kind}_usd_per_hour"] / coral[f"{kind}_usd_per_hour"]
+    return rows
+
+
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--relax", default="2,4", help="availability multiples tried when a method cannot plan at ×1")
@@ -89,16 +102,7 @@ def main() -> None:
         for method in names(args.methods):
             rows.append(row_for(scn, method, templates, args, seeds))
             print(rows[-1], flush=True)
-    for r in rows:
-        coral = next((x for x in rows if x["scenario"] == r["scenario"] and x["method"] == "coral"), {})
-        for kind in ("fixed", "sized"):
-            if r.get(f"{kind}_usd_per_hour") and coral.get(f"{kind}_usd_per_hour"):
-                r[f"{kind}_x_coral"] = r[f"{kind}_usd_per_hour"] / coral[f"{kind}_usd_per_hour"]
-    header = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", "fixed_x_coral",
-              "sized_status", "sized_usd_per_hour", "loop_worst_window", "sized_worst_attainment", "sized_x_coral",
-              "loop_rounds", "reach_usd_per_hour", "reach_served_share", "reach_worst_attainment",
-              "relaxed_availability", "relaxed_usd_per_hour", "relaxed_worst_attainment")
-    report(rows, header, args.out or RESULTS / "equal_attainment.json",
+    report(with_ratios(rows), HEADER, args.out or RESULTS / "equal_attainment.json",
            {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
 
 

@@ -216,6 +216,41 @@ def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
     assert shown.exit_code == 0 and "simulated" in shown.output and "coral" in shown.output
 
 
+def test_cli_bench_allocation_reports_cost_at_equal_attainment_beside_fixed_demand(tmp_path, monkeypatch):
+    """`coral bench allocation --settings attainment`: per method the fixed-demand plan (the old rule, the same as
+    `make_plan` at fixed demand) and the sized one (the closed loop's, never cheaper: it serves the burst factors on
+    top), each with its held-out worst model, and both costs over Coral's; the table is printed."""
+    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.allocation.methods import make_plan
+    from coral_dagster.catalog.models import get_model
+    from coral_dagster.cli.plan import bench
+
+    scn = load_scenario("core")
+    templates = tuple(synthetic_template(sm.model, phase, NodeMultiset.of([node]), tps * node.count, slo_ms=slo,
+                                         n_layers=get_model(sm.base).n_layers)
+                      for sm in scn.models for node in scn.node_configs
+                      for phase, slo, tps in (("prefill", sm.prefill_slo_ms, 3000.0),
+                                              ("decode", sm.decode_slo_ms, 400.0)))
+    monkeypatch.setattr(scenario_plans, "library_templates", lambda scenario, db_path=None: templates)
+    args = ["allocation", "--scenarios", "core", "--settings", "attainment", "--no-helix", "--sim-duration-s", "0",
+            "--attainment-seeds", "11", "--attainment-duration-s", "20", "--db", str(tmp_path / "b.duckdb"),
+            "--json"]
+    result = CliRunner().invoke(bench, args)
+    assert result.exit_code == 0, result.output
+    rows = {r["method"]: r for r in json.loads(result.output)["equal_attainment"]}
+    fixed = scenario_problem(scn, templates, burst_aware=False)
+    coral = rows["coral"]
+    for method in ("coral", "homo-ilp"):
+        row = rows[method]
+        assert row["fixed_usd_per_hour"] == pytest.approx(make_plan(fixed, method).cost_usd_per_hour)
+        assert row["sized_usd_per_hour"] >= row["fixed_usd_per_hour"]
+        assert row["fixed_x_coral"] == pytest.approx(row["fixed_usd_per_hour"] / coral["fixed_usd_per_hour"])
+        assert row["sized_x_coral"] == pytest.approx(row["sized_usd_per_hour"] / coral["sized_usd_per_hour"])
+        assert 0.0 <= row["sized_worst_attainment"] <= 1.0 and 1 <= row["loop_rounds"] <= 3
+    shown = CliRunner().invoke(bench, args[:-1])
+    assert shown.exit_code == 0 and "equal attainment" in shown.output
+
+
 def test_bench_png_draws_every_setting():
     import io
 

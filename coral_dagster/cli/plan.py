@@ -119,8 +119,10 @@ def bench() -> None:
 @bench.command("allocation")
 @click.option("--scenarios", default="core,extended", show_default=True,
               help=f"Comma-separated scenarios, each {SCENARIO_HELP}.")
-@click.option("--settings", default="default,imbalanced,scarcity,replan", show_default=True,
-              help="Comma-separated: default, imbalanced, scarcity, replan.")
+@click.option("--settings", default="default,imbalanced,scarcity,replan,attainment", show_default=True,
+              help="Comma-separated: default, imbalanced, scarcity, replan, attainment (each method's cost at "
+                   "equal simulated attainment beside its fixed-demand cost: closed loops and held-out "
+                   "simulations, the longest setting).")
 @click.option("--helix/--no-helix", default=True, show_default=True, help="Also run Helix vs Coral on its cluster.")
 @click.option("--helix-slo-ms", default="20000,1000", show_default=True,
               help="prefill,decode SLO (ms) of the Helix comparison; `scenario` keeps the scenario's.")
@@ -130,13 +132,18 @@ def bench() -> None:
               help="Arrivals of the simulation: poisson, gamma, scenario (each model's trace), azure-conv, azure-code.")
 @click.option("--sim-replan/--no-sim-replan", default=True, show_default=True,
               help="Also simulate every re-planning window.")
+@click.option("--attainment-seeds", default="11,12,13,14", show_default=True,
+              help="Held-out seeds of the attainment setting (the closed loop uses seed 0).")
+@click.option("--attainment-duration-s", type=POSITIVE, default=600.0, show_default=True,
+              help="Seconds of each held-out simulation of the attainment setting.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the JSON document here, and its plot beside it (same name, .png).")
 @prices_option
 @db_option
 @json_option
 def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, sim_duration_s: float, sim_trace: str,
-               sim_replan: bool, out_path: str | None, db_path: str | None, as_json: bool) -> None:
+               sim_replan: bool, attainment_seeds: str, attainment_duration_s: float, out_path: str | None,
+               db_path: str | None, as_json: bool) -> None:
     """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
     from tqdm import tqdm
 
@@ -147,7 +154,9 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
     slo = None if helix_slo_ms == "scenario" else tuple(float(x) for x in helix_slo_ms.split(","))
     config = BenchConfig(scenarios=tuple(s for s in scenarios.split(",") if s),
                          settings=tuple(s for s in settings.split(",") if s), helix=helix, helix_slo_ms=slo,
-                         sim_duration_s=sim_duration_s, sim_trace=sim_trace, sim_replan=sim_replan)
+                         sim_duration_s=sim_duration_s, sim_trace=sim_trace, sim_replan=sim_replan,
+                         attainment_seeds=tuple(int(x) for x in attainment_seeds.split(",") if x),
+                         attainment_duration_s=attainment_duration_s)
     progress = None if as_json else (lambda it, desc: tqdm(list(it), desc=desc))
     doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config, progress=progress)
     if out_path:
@@ -178,7 +187,7 @@ def _harness():
 
 def print_bench(doc: dict) -> None:
     """The benchmark's tables (library preparation, one row per setting × scenario × method with fluid and
-    simulated goodput, re-planning), then Helix's comparison as JSON."""
+    simulated goodput, equal attainment, re-planning), then Helix's comparison as JSON."""
     for title, table in _harness().bench_tables(doc):
         emit_table(table, title=title)
     if doc.get("helix"):
