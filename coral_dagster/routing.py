@@ -140,8 +140,9 @@ def plan_shares(plan) -> dict[str, dict[str, float]]:
 class Admission:
     """Admission control under scarcity: per model a token bucket refilling at the request rate the plan serves and
     holding `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s` seconds of the
-    rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at the request rate the
-    plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it. Buckets
+    rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at most at the request
+    rate the plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it
+    within its SLO (`capacity.peak_bucket`). Buckets
     start full; a request that finds a bucket empty is shed at once (the front door answers 429 with Retry-After),
     so the admitted ones keep their SLO. A model at rate 0 (the plan serves none of it) is always shed; models
     without a rate are always admitted."""
