@@ -5,10 +5,12 @@ the burst-aware capacity rule plus the closed loop (worst 600-s window of every 
 evaluated on held-out windows of the scenario's own traces (one per seed, seeds the loop does not use), worst
 per-model attainment and cost side by side. A method that cannot serve the sized demand within availability is
 shown at what it reaches (uniformly scaled, with admission) and, labelled, with availability relaxed ×N until its
-closed loop plans. Prints a table and writes bench/results/equal_attainment.json.
+closed loop plans. `--mixes` repeats it under imbalanced demand (coral.md §6: 80% of the requests to the largest
+or the smallest third of the models, total kept), rows labelled `scenario:mix`. Prints a table and writes
+bench/results/equal_attainment.json.
 
     python -m bench.equal_attainment [--scenarios core,extended] [--methods coral,homo,homo-ilp,cauchy]
-        [--seeds 11,12,13,14] [--duration-s 600] [--relax 2,4]
+        [--mixes uniform,large-heavy,small-heavy] [--seeds 11,12,13,14] [--duration-s 600] [--relax 2,4]
 """
 
 from __future__ import annotations
@@ -16,10 +18,12 @@ from __future__ import annotations
 import time
 
 from bench._args import RESULTS, bench_parser, evaluate, names, report, seeds_and_libraries
+from coral_dagster.allocation.demand import DEMAND_MIXES
 from coral_dagster.allocation.goodput import fluid_goodput
+from coral_dagster.allocation.inputs import mixed_scenario
 from coral_dagster.allocation.scenario_plans import plan_scenario
 from coral_dagster.app.closed_loop import closed_loop
-from coral_dagster.errors import CoralError
+from coral_dagster.errors import CoralError, UnknownNameError
 
 HEADER = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", "fixed_x_coral", "sized_status",
           "sized_usd_per_hour", "loop_worst_window", "sized_worst_attainment", "sized_x_coral", "loop_rounds",
@@ -40,10 +44,10 @@ def sized(scn, method, templates, time_limit_s, availability_scale=1.0):
     return plan, rounds, time.perf_counter() - t0
 
 
-def row_for(scn, method, templates, args, seeds) -> dict:
-    """One method on one scenario: fixed-demand plan, sized plan, and where the sized demand cannot be met, what it
-    reaches and what availability it would need."""
-    row = {"scenario": scn.name, "method": method}
+def row_for(scn, method, templates, args, seeds, label: str | None = None) -> dict:
+    """One method on one scenario (`label` names it in the row, default its name): fixed-demand plan, sized plan,
+    and where the sized demand cannot be met, what it reaches and what availability it would need."""
+    row = {"scenario": label or scn.name, "method": method}
     try:
         fixed = plan_scenario(scn, method=method, templates=templates, burst_aware=False,
                               time_limit_s=args.time_limit_s)
@@ -95,15 +99,23 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 def main() -> None:
     ap = bench_parser(__doc__)
     ap.add_argument("--relax", default="2,4", help="availability multiples tried when a method cannot plan at ×1")
+    ap.add_argument("--mixes", default="uniform", help=f"comma-separated demand mixes of {', '.join(DEMAND_MIXES)}")
     args = ap.parse_args()
+    mixes = names(args.mixes)
+    for mix in mixes:
+        if mix not in DEMAND_MIXES:
+            raise UnknownNameError("demand mix", mix, DEMAND_MIXES)
     seeds, libraries = seeds_and_libraries(args)
     rows = []
     for scn, templates in libraries:
-        for method in names(args.methods):
-            rows.append(row_for(scn, method, templates, args, seeds))
-            print(rows[-1], flush=True)
+        for mix in mixes:
+            mixed = mixed_scenario(scn, mix)
+            for method in names(args.methods):
+                rows.append(row_for(mixed, method, templates, args, seeds,
+                                    label=scn.name if mix == "uniform" else f"{scn.name}:{mix}"))
+                print(rows[-1], flush=True)
     report(with_ratios(rows), HEADER, args.out or RESULTS / "equal_attainment.json",
-           {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s})
+           {"seeds": seeds, "duration_s": args.duration_s, "time_limit_s": args.time_limit_s, "mixes": mixes})
 
 
 if __name__ == "__main__":

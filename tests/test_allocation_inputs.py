@@ -14,7 +14,7 @@ from coral_dagster import paths
 from coral_dagster.allocation import demand
 from coral_dagster.allocation.check import plan_violations
 from coral_dagster.allocation.goodput import fluid_goodput
-from coral_dagster.allocation.inputs import scenario_problem
+from coral_dagster.allocation.inputs import mixed_scenario, scenario_problem
 from coral_dagster.allocation.planner import build_plan, solve_plan
 from coral_dagster.allocation.storage import load_plan, store_plan
 from coral_dagster.app.plans import latest_plan
@@ -87,6 +87,17 @@ def test_core_large_heavy_sends_80_percent_to_qwen3_32b():
     problem = scenario_problem(scn, (), demand_mix="large-heavy", burst_aware=False)
     mean_p = demand.trace_stats("azure-conv").mean_prompt_tokens
     assert problem.demand_tokens_per_s[("qwen3-32b", "prefill")] == pytest.approx(24.0 * mean_p * 1.1)
+
+
+@pytest.mark.parametrize("mix", ["large-heavy", "small-heavy"])
+def test_a_mixed_scenario_plans_the_demand_its_mix_asks_for(mix):
+    scn = load_scenario("extended")
+    mixed = mixed_scenario(scn, mix)
+    assert sum(m.rate_req_s for m in mixed.models) == pytest.approx(sum(m.rate_req_s for m in scn.models))
+    assert {m.model: m.rate_req_s for m in mixed.models} != {m.model: m.rate_req_s for m in scn.models}
+    for burst_aware in (False, True):
+        assert scenario_problem(mixed, (), burst_aware=burst_aware).demand_tokens_per_s == pytest.approx(
+            scenario_problem(scn, (), demand_mix=mix, burst_aware=burst_aware).demand_tokens_per_s)
 
 
 def test_plans_round_trip_through_duckdb(tmp_path):

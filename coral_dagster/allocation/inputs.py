@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Mapping, Sequence
 
 from coral_dagster.allocation.demand import demand_tokens, mix_rates, trace_stats
@@ -23,6 +24,13 @@ def model_params(scenario: Scenario) -> dict[str, float]:
 def scenario_rates(scenario: Scenario, demand_mix: str = "uniform") -> dict[str, float]:
     """Request rate per model under a demand mix (total rate kept)."""
     return mix_rates({m.model: m.rate_req_s for m in scenario.models}, model_params(scenario), demand_mix)
+
+
+def mixed_scenario(scenario: Scenario, demand_mix: str) -> Scenario:
+    """The scenario with every model's request rate under a demand mix: planning, the closed loop and the
+    simulator then all read the mixed rates."""
+    rates = scenario_rates(scenario, demand_mix)
+    return replace(scenario, models=tuple(replace(m, rate_req_s=rates[m.model]) for m in scenario.models))
 
 
 def scenario_traces(scenario: Scenario) -> dict[str, str]:
