@@ -27,6 +27,17 @@ MODEL = "tiny-llama"
 FAST = Timing(heartbeat_s=0.2, dead_after_s=1.5, request_timeout_s=20.0)
 
 
+def bindable(port: int) -> bool:
+    """Whether a new front door could bind `port` now (like uvicorn, reusing TIME_WAIT ports)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 def test_children_die_with_a_killed_serve_local(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "coral_dagster.cli.serve", "local", "--model", MODEL, "--split",
@@ -45,9 +56,9 @@ def test_children_die_with_a_killed_serve_local(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         wait_for(lambda: all(gone(p) for p in pids), 20, "children still running after their parent was killed")
-        with socket.socket() as s:  # free for a new front door (which, like uvicorn, reuses TIME_WAIT ports)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("127.0.0.1", port))
+        # Free for a new front door soon after: a killed process reads as a zombie once its main thread has exited,
+        # while its other threads, which share its sockets, may still be tearing down.
+        wait_for(lambda: bindable(port), 10, f"port {port} still held after every child died")
     finally:
         if proc.poll() is None:
             proc.kill()
