@@ -3,7 +3,7 @@
 A setting `A@S` (e.g. `0.25@0.2`) is the cost solve alone at availability ×A with every key's target S (no level
 solves, whose time limits make the levels, and so the costs, differ run to run): the comparable figure for the
 solver. S must be reachable: at most the level `A:scale` serves (core: ≈0.546 at ×0.5, ≈0.226 at ×0.25), else the
-row ends infeasible. Per row: status, cost, gap to the MIP bound, `solve_s` (the solve alone), `prepare_s` (pruning and
+row ends with no plan. Per row: status, cost, gap to the MIP bound, `solve_s` (the solve alone), `prepare_s` (pruning and
 preparation of the library, once per library), `load_s` (reading the library from DuckDB), each the median of
 `--repeats` runs; per scenario the wall time of a re-plan in a fresh process (the sensor -> `replan` path:
 `app.rounds.plan_round` in a new Python process, imports included). Prints a table and writes
