@@ -27,7 +27,8 @@ OUT = Path(__file__).resolve().parent / "results" / "ilp_hardness.json"
 
 
 def _model(problem, columns):
-    """The ILP in highspy: (model, index of each (model, region) routing share, index of each availability row)."""
+    """The ILP in highspy: (its Highs object, the column of each (model, region) routing share, the row of each
+    availability constraint)."""
     import highspy
 
     h = highspy.Highs()
