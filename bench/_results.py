@@ -19,7 +19,7 @@ def provenance(command: str | None = None) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit = "unknown"
     argv = " ".join(sys.argv[1:])
-    return {"command": command or f"python -m {Path(sys.argv[0]).stem and _module()} {argv}".strip(),
+    return {"command": command or f"python -m {_module()} {argv}".strip(),
             "date": datetime.now(timezone.utc).date().isoformat(), "commit": commit}
 
 
