@@ -45,8 +45,9 @@ def row_for(scn, templates, level, mode, method, args, seeds) -> dict:
                simulated_over_fluid=ev["goodput_tokens_per_s"] / promised if promised else None,
                shed=sum(r["shed"] for r in ev["runs"]), arrivals=sum(r["arrivals"] for r in ev["runs"]),
                worst_admitted_attainment=ev["worst_attainment"])
-    if args.ablate_depth and plan.admit_depth_req:
-        old = evaluate(replace(plan, admit_depth_req={}, admit_peak={}), scn, seeds, args.duration_s)
+    if args.ablate_depth and plan.admission.admit_depth_req:
+        unbuffered = replace(plan.admission, admit_depth_req={}, admit_peak={})
+        old = evaluate(replace(plan, admission=unbuffered), scn, seeds, args.duration_s)
         row.update(simulated_over_fluid_10s_bucket=old["goodput_tokens_per_s"] / promised if promised else None,
                    shed_10s_bucket=sum(r["shed"] for r in old["runs"]),
                    worst_admitted_attainment_10s_bucket=old["worst_attainment"])

@@ -25,7 +25,7 @@ def _print_plan(plan) -> None:
     emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
                                            "usd_per_hour"]),
                title=f"{plan.scenario}: {plan.method} plan {plan.plan_id or '(not stored)'}: {plan.status}")
-    served = [{"model": m, "phase": p, "capacity_factor": plan.capacity_factors.get((m, p)),
+    served = [{"model": m, "phase": p, "capacity_factor": plan.admission.capacity_factors.get((m, p)),
                "demand_tokens_per_s": d, "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
     emit_table(pd.DataFrame(served), title="served vs demanded (demand = rate × mean tokens × capacity factor)")
@@ -35,9 +35,9 @@ def _print_plan(plan) -> None:
                f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap to LP {gap}, to MIP bound {mip_gap}, "
                f"solved in {plan.solve_s:.2f} s, "
                f"demand scale {plan.demand_scale:.2%}")
-    for m, rate in sorted(plan.admit_req_s.items()):
-        depth = plan.admit_depth_req.get(m)
-        peak = plan.admit_peak.get(m)
+    for m, rate in sorted(plan.admission.admit_req_s.items()):
+        depth = plan.admission.admit_depth_req.get(m)
+        peak = plan.admission.admit_peak.get(m)
         click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
                    else "") + (f", let in at most {peak[0]:.3g} req/s (a second bucket {peak[1]:,.0f} deep)" if peak
                                 else "")
@@ -82,6 +82,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     """
     from dataclasses import replace
 
+    from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.allocation.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
     from coral_dagster.app.plans import resolve_plan
@@ -106,7 +107,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
             append_snapshot(store, market)
         result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
     if as_json:
-        emit_json(result.as_dict())
+        emit_json(plan_to_doc(result))
     else:
         _print_plan(result)
 
