@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from coral_dagster.allocation.codec import (MAX_COUNT, MAX_DEPTH, parse_plan_text, plan_from_doc, plan_to_doc,
                                            plan_to_json)
 from coral_dagster.allocation.storage import load_plan, store_plan
-from coral_dagster.allocation.types import METHODS, AdmissionLimits, Bottleneck, Plan, PlannedInstance
+from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, Plan, PlannedInstance
 from coral_dagster.app.plan_files import load_plan_file
 from coral_dagster.catalog.models import get_model, model_catalog
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig, NodeMultiset
@@ -25,10 +25,10 @@ from coral_dagster.cli._out import emit_json
 from coral_dagster.cli.main import main
 from coral_dagster.errors import CatalogError, CoralError
 from coral_dagster.store import Store
-from coral_dagster.templates.types import PHASES, Stage, Template
+from coral_dagster.templates.types import Stage, Template
+from coral_dagster.vocab import BOUNDS, METHODS, PHASES, SOLVE_STATUSES
 
 MODELS = sorted(model_catalog())
-STATUSES = ("optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic")
 finite = st.floats(min_value=0.0, max_value=1e12, allow_nan=False, allow_infinity=False)
 positive = st.floats(min_value=1e-9, max_value=1e12, allow_nan=False, allow_infinity=False)
 bound = st.one_of(st.just(math.nan), st.floats(min_value=-1e12, max_value=1e12, allow_nan=False))
@@ -51,7 +51,7 @@ def templates(draw) -> Template:
         stages.append(Stage(start, end, tuple(members), tuple(shares), tuple(batches)))
     return Template(model, draw(st.sampled_from(PHASES)), draw(finite), NodeMultiset.of(
         [n for s in stages for n in s.nodes]), tuple(stages), draw(positive),
-        draw(st.sampled_from(("compute", "memory", "slo", "network"))))
+        draw(st.sampled_from(BOUNDS)))
 
 
 keys = st.tuples(st.sampled_from(MODELS), st.sampled_from(PHASES))
@@ -62,7 +62,7 @@ numbers = st.dictionaries(words, finite, max_size=3)
 def plans(draw) -> Plan:
     admitted = draw(st.lists(st.sampled_from(MODELS), max_size=3, unique=True))
     return Plan(
-        scenario=draw(words), method=draw(st.sampled_from(METHODS)), status=draw(st.sampled_from(STATUSES)),
+        scenario=draw(words), method=draw(st.sampled_from(METHODS)), status=draw(st.sampled_from(SOLVE_STATUSES)),
         cost_usd_per_hour=draw(finite), lp_bound_usd_per_hour=draw(bound), gap=draw(bound), solve_s=draw(finite),
         instances=tuple(draw(st.lists(st.builds(PlannedInstance, templates(), regions, st.integers(1, MAX_COUNT),
                                                 finite), max_size=4))),

@@ -22,7 +22,8 @@ import numpy as np
 from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import CatalogError, CoralError
-from coral_dagster.templates.types import PHASES, Stage, Template, stages_doc
+from coral_dagster.templates.types import Stage, Template, stages_doc
+from coral_dagster.vocab import BOUNDS, PHASES
 
 FIX = "give the JSON `coral plan --json` printed, unchanged"
 #: Largest plan document read (bytes): a plan of thousands of instances with their stages is a few MiB.
@@ -32,7 +33,6 @@ MAX_DEPTH = 32
 #: Most instances one row may count: far beyond any cloud's quota, small enough to simulate and deploy.
 MAX_COUNT = 100_000
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
-BOUNDS = ("compute", "memory", "slo", "network")
 
 
 def plan_to_doc(plan: Plan) -> dict:

@@ -9,10 +9,10 @@ from typing import Mapping, Sequence
 from coral_dagster.allocation import colgen, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
-from coral_dagster.allocation.types import (AdmissionLimits, Bottleneck, Method, PlannedInstance, Plan, Scarcity,
-                                          SolveStatus)
+from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
+from coral_dagster.vocab import Method, SolveStatus
 
 # Share of the time limit a Coral solve first spends on its homogeneous columns alone (their plan starts the solve).
 HOMOGENEOUS_START_SHARE = 0.25

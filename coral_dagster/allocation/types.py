@@ -7,11 +7,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import Method, SolveStatus
 
-# "heuristic": a greedy baseline's plan (no optimality claim).
-SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic"]
-Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
-METHODS: tuple[str, ...] = ("coral", "homo", "homo-ilp", "cauchy", "helix")
 Scarcity = Literal["scale", "fair"]
 
 

@@ -10,9 +10,9 @@ import click
 
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
-from coral_dagster.templates.engines import SERVING_ENGINES
 
-from coral_dagster.allocation.types import METHODS
+from coral_dagster.vocab import METHODS, SERVING_ENGINES
+
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 

@@ -9,8 +9,7 @@ from typing import Mapping
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
 from coral_dagster.runtime.limits import ModelLimits
-
-PHASES = ("aggregated", "prefill", "decode")
+from coral_dagster.vocab import PHASES
 
 
 @dataclass(frozen=True)
