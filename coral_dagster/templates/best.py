@@ -55,7 +55,7 @@ def make_template(tables: ThroughputTables, nodes: NodeMultiset, placement: Plac
         values = [p.tokens_per_s for p in points]
         total = sum(values)
         shares = tuple(v / total for v in values) if total > 0 else tuple(1.0 / len(members) for _ in members)
-        batches = tuple(p.batch for p in points) if tables.workload.phase == "prefill" else ()
+        batches = tuple(p.batch for p in points) if tables.workload.phase != "decode" else ()
         stage = Stage(start, start + layers, members, shares, batches)
         stages.append(stage)
         if total < bottleneck_value:

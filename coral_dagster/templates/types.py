@@ -16,15 +16,15 @@ THatRule = Literal["paper", "slo"]
 T_HAT_RULE_NAMES: tuple[THatRule, ...] = ("paper", "slo")
 #: The version of each rule (`templates.throughput`, `templates.queueing`); part of every library key, so a
 #: library built under other rules is rebuilt, never reused. Change a rule's with any change of what it answers.
-T_HAT_RULES: dict[str, str] = {"slo": "2026-12-01 decode hand-off as NIC load",
-                               "paper": "paper 2026-12-05 per-stage l/S, one batch of KV, fused aggregated step"}
+T_HAT_RULES: dict[str, str] = {"slo": "2026-12-05 aggregated step fuses chunked prefill into decode",
+                               "paper": "paper 2026-12-05 per-stage l/S, one batch of KV, mean fused aggregated step"}
 
 
 @dataclass(frozen=True)
 class Stage:
     """A contiguous block of layers `[start, end)` held by every node listed; nodes split its load by `shares`.
-    `batches`: per node, the prefill tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`; empty
-    where no such plan exists, e.g. decode)."""
+    `batches`: per node, the tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`: prefill tokens,
+    or an aggregated step's decode sequences plus prompt chunk; empty where no such plan exists, e.g. decode)."""
 
     start: int
     end: int
