@@ -17,9 +17,9 @@ Bound = Literal["compute", "memory", "slo", "network"]
 #: What limits a template's throughput T̂ (`templates.throughput`).
 BOUNDS: tuple[Bound, ...] = ("compute", "memory", "slo", "network")
 
-ServingEngine = Literal["coral", "vllm"]
+ServingEngine = Literal["coral", "vllm", "vllm-aggregated"]
 #: What runs a plan's instances (`templates.engines`).
-SERVING_ENGINES: tuple[ServingEngine, ...] = ("coral", "vllm")
+SERVING_ENGINES: tuple[ServingEngine, ...] = ("coral", "vllm", "vllm-aggregated")
 
 Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
 #: Coral's ILP and the baselines planned on the same inputs (`allocation.methods`).
@@ -30,7 +30,12 @@ SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", 
 SOLVE_STATUSES: tuple[SolveStatus, ...] = ("optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share",
                                            "heuristic")
 
-#: The rules T̂ is computed by (`templates.throughput`, `templates.queueing`), by name; each version is part of
-#: every library key, so a library built under other rules is rebuilt, never reused. Change a version with any
-#: change of what T̂ answers under that rule.
-T_HAT_RULE_VERSIONS: dict[str, str] = {"slo": "2026-12-01 decode hand-off as NIC load"}
+THatRule = Literal["paper", "slo"]
+#: The rules T̂ may be computed by (`templates.throughput`): `paper`, the paper's plain per-stage rule, and `slo`,
+#: ours that holds the SLOs under load (the default).
+T_HAT_RULE_NAMES: tuple[THatRule, ...] = ("paper", "slo")
+#: The version of each rule (`templates.throughput`, `templates.queueing`); part of every library key, so a
+#: library built under other rules is rebuilt, never reused. Change a rule's with any change of what it answers.
+T_HAT_RULE_VERSIONS: dict[str, str] = {
+    "slo": "2026-12-05 aggregated step fuses chunked prefill into decode",
+    "paper": "paper 2026-12-05 per-stage l/S, one batch of KV, mean fused aggregated step"}

@@ -11,8 +11,8 @@ from coral_dagster.vocab import Bound, Phase
 @dataclass(frozen=True)
 class Stage:
     """A contiguous block of layers `[start, end)` held by every node listed; nodes split its load by `shares`.
-    `batches`: per node, the prefill tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`; empty
-    where no such plan exists, e.g. decode)."""
+    `batches`: per node, the tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`: prefill tokens,
+    or an aggregated step's decode sequences plus prompt chunk; empty where no such plan exists, e.g. decode)."""
 
     start: int
     end: int
