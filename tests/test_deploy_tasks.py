@@ -96,32 +96,47 @@ def _head_script(role: str, tmp_path, scheduler: str, engine: str) -> str:
     return run
 
 
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries `mark` (the stand-ins a head script started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and mark.encode() in (open(f"/proc/{entry}/environ", "rb").read()):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 @pytest.mark.parametrize("role", ["engine", "vllm"])
 @pytest.mark.parametrize("dies", ["scheduler", "engine"])
 def test_a_head_whose_scheduler_or_engine_exits_stops_the_other_and_fails(role, dies, tmp_path):
     """Either of a head's two processes exiting ends the job with a failure and takes the other down (the
-    reconciler then relaunches it), instead of an engine left running without its scheduler or the reverse."""
+    reconciler then relaunches it), instead of an engine left running without its scheduler or the reverse.
+
+    The dying stand-in exits at once, so it has exited before the script starts waiting: the case bash's
+    `wait -n` missed (it waited on the survivor, 60 s here) whatever the machine's load."""
     (tmp_path / "curl").write_text("#!/bin/sh\nexit 22\n")
     (tmp_path / "curl").chmod(0o755)
-    survivor = "engine" if dies == "scheduler" else "scheduler"
-    stand_in = {dies: "sh -c 'sleep 0.5; exit 3'",
-                survivor: f"sh -c 'echo $$ > {tmp_path}/pid; exec sleep 60'"}
+    stand_in = {dies: "sh -c 'exit 3'", ("engine" if dies == "scheduler" else "scheduler"): "sh -c 'exec sleep 60'"}
     script = _head_script(role, tmp_path, stand_in["scheduler"], stand_in["engine"])
     assert "sleep 60" in script and "exit 3" in script
+    mark = f"CORAL_HEAD_TEST_{os.getpid()}_{role}_{dies}"
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CORAL_LISTEN": "tcp://0.0.0.0:5555", "CORAL_HEAD": "1",
-           "CORAL_NODE_RANK": "0", "CORAL_LAYERS": "0:10", "SKYPILOT_NODE_IPS": "10.1.2.3"}
-    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode != 0
-    pid = int((tmp_path / "pid").read_text())
+           "CORAL_NODE_RANK": "0", "CORAL_LAYERS": "0:10", "SKYPILOT_NODE_IPS": "10.1.2.3", mark: "1"}
+    started = time.monotonic()
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=45)
+    assert out.returncode == 1, out.stderr
+    assert time.monotonic() - started < 30, "the head waited on its survivor instead of ending"
     for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _marked(mark):
             break
         time.sleep(0.1)
     else:
-        os.kill(pid, 9)
-        raise AssertionError(f"the {survivor} stand-in outlived the head's job")
+        left = _marked(mark)
+        for pid in left:
+            os.kill(pid, 9)
+        raise AssertionError(f"stand-ins {left} outlived the head's job")
 
 
 def test_every_cluster_states_its_disk():
