@@ -276,7 +276,7 @@ if __name__ == "__main__":
         e.submit("r", np.asarray([256, *b"Hello, Coral"]), 8)
         tokens = []
         while e.has_work():
-            tokens += [t for _, t, _ in e.step()]
+            tokens += [t for _, t, _, _ in e.step()]
         result["tokens"] = tokens
     except Exception as exc:
         result["error"] = f"{{type(exc).__name__}}: {{exc}}"[:300]
