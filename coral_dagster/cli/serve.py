@@ -288,17 +288,23 @@ def keys_cmd(as_json: bool) -> None:
 @click.option("--model", default="tiny-llama", show_default=True, help="Runtime model.")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--greedy/--no-greedy", default=True, show_default=True,
-              help="Greedy decoding (the only mode the runtime implements).")
+              help="Greedy decoding; --no-greedy samples at --temperature (seeded by --seed).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature (--no-greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass kept (--no-greedy).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Most likely tokens kept; 0 keeps all.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the draws (--no-greedy).")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Most tokens to generate.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @_json
-def generate(model: str, prompt: str, greedy: bool, max_tokens: int, ignore_eos: bool, as_json: bool) -> None:
-    """Complete a prompt in this process: the reference `coral serve` must match token for token."""
+def generate(model: str, prompt: str, greedy: bool, temperature: float, top_p: float, top_k: int, seed: int,
+             max_tokens: int, ignore_eos: bool, as_json: bool) -> None:
+    """Complete a prompt in this process: the reference `coral serve` must match token for token (sampled
+    completions too: each draw is seeded by the seed and the position, as served)."""
     from coral_dagster.runtime.generate import generate as run
+    from coral_dagster.runtime.sampling import SamplingParams
 
-    if not greedy:
-        raise CoralError("only greedy decoding is implemented.", "pass --greedy")
-    c = run(model, prompt, max_tokens, ignore_eos)
+    sampling = None if greedy else SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    c = run(model, prompt, max_tokens, ignore_eos, sampling=sampling)
     data = {"text": c.text, "tokens": list(c.tokens), "finish_reason": c.finish_reason,
             "prompt_tokens": c.prompt_tokens}
     click.echo(json.dumps(data) if as_json else c.text)
