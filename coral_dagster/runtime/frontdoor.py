@@ -317,7 +317,7 @@ class _App:
                     await reply.event(chunk(req, meta, c, None, None, first=True))
         async for tag, piece in self._pieces(run, link):
             c = run.choices[run.index[tag]]
-            if req.stream and (piece.text or c.finish):
+            if req.stream:
                 if piece.text or piece.tokens:
                     await reply.event(chunk(req, meta, c, piece, None))
                 if c.finish:
