@@ -340,3 +340,10 @@ def test_a_kept_alive_connections_second_request_gets_its_own_header_timeout():
             assert reply.startswith(b"HTTP/1.1 408"), reply[:80]
             assert time.monotonic() - started < 5
             assert json.loads(reply.partition(b"\r\n\r\n")[2])["error"]["code"] == 408
+
+
+def test_the_served_torch_engine_behaves_as_the_reference(served):
+    """The engine-parity battery (tests/openai_battery.py) on the torch engine; test_vllm_cpu runs it on vLLM."""
+    from openai_battery import assert_same, expected, observe
+
+    assert_same(observe(f"{served.url}/v1", KEY), expected())

@@ -107,12 +107,16 @@ def serve() -> None:
 @_opt("--max-retries", env="MAX_RETRIES", type=int, default=1, show_default=True,
       help="Times a failed request resumes on another instance.")
 @_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
+@_opt("--tls-certfile", env="TLS_CERTFILE", default=None,
+      help="PEM certificate (chain) to serve HTTPS with; needs --tls-keyfile.")
+@_opt("--tls-keyfile", env="TLS_KEYFILE", default=None, help="PEM private key of --tls-certfile.")
 @_opt("--admit", env="ADMIT", default="",
       help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
            "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
-                    api_key: str | None, admit: str, insecure: bool, as_json: bool, **kw: Any) -> None:
+                    api_key: str | None, tls_certfile: str | None, tls_keyfile: str | None, admit: str,
+                    insecure: bool, as_json: bool, **kw: Any) -> None:
     """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
     from coral_dagster.runtime.roles import run_coordinator
@@ -122,7 +126,8 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
                                       http_port=None if http_port < 0 else http_port, models=models,
                                       max_retries=max_retries, api_key=api_key, timing=_timing(kw),
                                       admit_req_s=admit_req_s, admit_depth_req=admit_depth_req,
-                                      admit_peak=admit_peak), insecure, as_json)
+                                      admit_peak=admit_peak, http_tls_certfile=tls_certfile,
+                                      http_tls_keyfile=tls_keyfile), insecure, as_json)
 
 
 @serve.command("scheduler")

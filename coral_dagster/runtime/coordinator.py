@@ -108,7 +108,8 @@ class Coordinator:
             self.http = FrontDoor(self.ctx, self.front_address, cfg.http_host, cfg.http_port,
                                   timeout_s=cfg.timing.request_timeout_s * (cfg.max_retries + 1) + 5,
                                   api_key=cfg.api_key, read_timeout_s=cfg.http_read_timeout_s,
-                                  max_body_bytes=cfg.http_max_body_bytes)
+                                  max_body_bytes=cfg.http_max_body_bytes,
+                                  tls=(cfg.http_tls_certfile, cfg.http_tls_keyfile))
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Route until `stop` is set, serving the HTTP front door alongside when configured."""

@@ -14,6 +14,7 @@ import hmac
 import itertools
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -443,7 +444,16 @@ class FrontDoor:
     """Serves HTTP with uvicorn on a background thread; requests reach the coordinator loop over inproc ZeroMQ."""
 
     def __init__(self, ctx: zmq.Context, front: str, host: str, port: int, timeout_s: float,
-                 api_key: str | None, read_timeout_s: float, max_body_bytes: int) -> None:
+                 api_key: str | None, read_timeout_s: float, max_body_bytes: int,
+                 tls: tuple[str | None, str | None] = (None, None)) -> None:
+        certfile, keyfile = tls
+        if bool(certfile) != bool(keyfile):
+            raise CoralError("HTTPS needs both a certificate and its private key; one of them is missing.",
+                             "pass --tls-certfile and --tls-keyfile together (or neither, for plain HTTP)")
+        for path in (certfile, keyfile):
+            if path and not os.path.isfile(path):
+                raise CoralError(f"TLS file {path} does not exist.", "point --tls-certfile/--tls-keyfile at PEM files")
+        self.scheme = "https" if certfile else "http"
         try:
             self.sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                              backlog=2048)
@@ -455,7 +465,8 @@ class FrontDoor:
         app = _App(ctx, front, timeout_s, api_key, read_timeout_s, max_body_bytes)
         config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=1,
-                                h11_max_incomplete_event_size=MAX_HEADER_BYTES)
+                                h11_max_incomplete_event_size=MAX_HEADER_BYTES, ssl_certfile=certfile or None,
+                                ssl_keyfile=keyfile or None)
         self.server = uvicorn.Server(config)
         self.app = app
         self._loop: asyncio.AbstractEventLoop | None = None
