@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, HEAD_ENGINE_PORT
+from coral_dagster.deploy.spec import CORAL_PORT, HEAD_ENGINE_PORT, HTTP_PORT
 
 # The roles whose run ends in one `coral serve <role>` (a vLLM node's run picks its rank's command).
 ROLES = ("engine", "coordinator")
@@ -31,7 +31,8 @@ def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
         assert "vllm" not in setup and "setup_node" not in setup and "python -m pip install -e ." in setup
     project = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]
     base = {re.split(r"[=<>]", d)[0] for d in project["dependencies"]}
-    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn"}  # uvicorn: the coordinator's front door
+    # uvicorn: the coordinator's front door; prometheus-client its /metrics; jinja2 its chat templates.
+    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn", "prometheus-client", "jinja2"}
 
 
 def _setup_node_pip_calls(tmp_path, **env: str) -> list[str]:
@@ -64,10 +65,14 @@ def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():
         assert {"CORAL_CURVE_SECRET_KEY", "CORAL_CURVE_PUBLIC_KEYS"} <= set(doc["secrets"])
         assert ("HF_TOKEN" in doc["secrets"]) == (role == "engine")
         # The engine task's defaults are a head's: its scheduler on CORAL_PORT, its engine on the next port.
-        assert doc["resources"]["ports"] == ([CORAL_PORT, HEAD_ENGINE_PORT] if role == "engine" else CORAL_PORT)
+        assert doc["resources"]["ports"] == ([CORAL_PORT, HEAD_ENGINE_PORT] if role == "engine" else
+                                             [CORAL_PORT, HTTP_PORT])
         assert doc["envs"]["CORAL_LISTEN"] == f"tcp://0.0.0.0:{CORAL_PORT}"
         assert doc["run"].strip().endswith(f"python -m coral_dagster.cli.serve {role}")
-    assert task("coordinator")["envs"]["CORAL_HTTP_HOST"] == "127.0.0.1"
+    # Clients reach the coordinator's front door from outside, with the deployment's API key (a secret).
+    coordinator = task("coordinator")
+    assert coordinator["envs"]["CORAL_HTTP_HOST"] == "0.0.0.0"
+    assert coordinator["envs"]["CORAL_HTTP_PORT"] == str(HTTP_PORT) and "CORAL_API_KEY" in coordinator["secrets"]
 
 
 @pytest.mark.parametrize("curl, expected", [
