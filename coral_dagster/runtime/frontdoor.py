@@ -102,9 +102,12 @@ class _Reply:
         self._send, self.started = send, False
 
     async def json(self, status: int, data: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        payload = json.dumps(data).encode()
-        await self.head(status, [(b"content-type", b"application/json"),
-                                 (b"content-length", str(len(payload)).encode()), *headers])
+        await self.whole(status, b"application/json", json.dumps(data).encode(), headers)
+
+    async def whole(self, status: int, content_type: bytes, payload: bytes,
+                    headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        await self.head(status, [(b"content-type", content_type), (b"content-length", str(len(payload)).encode()),
+                                 *headers])
         await self._send({"type": "http.response.body", "body": payload})
 
     async def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
@@ -268,10 +271,7 @@ class _App:
                  "max_model_len": status.get("context", {}).get(m)} for m in status["serving"]]})
         elif path == "/metrics":
             self.metrics.queue_depth.set(status.get("in_flight", 0))
-            payload = self.metrics.exposition()
-            await reply.head(200, [(b"content-type", CONTENT_TYPE.encode()),
-                                   (b"content-length", str(len(payload)).encode())])
-            await reply._send({"type": "http.response.body", "body": payload})
+            await reply.whole(200, CONTENT_TYPE.encode(), self.metrics.exposition())
         else:
             await reply.json(200, status)
 
@@ -300,7 +300,8 @@ class _App:
             if not work.done():
                 work.cancel()
                 await asyncio.gather(work, return_exceptions=True)
-                await _cancel(link, [run.rids[t] for t in run.open])
+            # Choices still open (the client left, the drain ended, or another choice failed) stop everywhere.
+            await _cancel(link, [run.rids[t] for t in run.open])
         if work.done() and not work.cancelled():
             work.result()
         elif gone.done() and not gone.cancelled():
@@ -338,6 +339,7 @@ class _App:
             tag = e["tag"]
             c = run.choices[run.index[tag]]
             if e["kind"] == "error":
+                run.open.discard(tag)
                 raise error_event(e)
             if e["kind"] == "token":
                 self._timed(run, tag)
