@@ -1,6 +1,12 @@
-"""GPU check for one H200 (run by bench/gpu_check.sh inside the node environment): Coral serving with vLLM,
-a 2-rank uneven vLLM pipeline as two "nodes" on one GPU, and per-layer vLLM timings next to `coral profile
-latency`. Prints a table and writes bench/results/gpu_check.json."""
+"""GPU check for one H200 (run by bench/gpu_check.sh inside the node environment): Coral serving with vLLM
+(completions and chat), a 2-rank uneven vLLM pipeline as two "nodes" on one GPU, per-layer vLLM timings next to
+`coral profile latency`, vLLM's measured fused steps (decodes plus a chunk of prefill in one pass) next to the
+fused aggregated step model, and a prefill/decode pair handing KV over through a vLLM KV connector. Prints a
+table and writes bench/results/gpu_check.json.
+
+The fused step model is `simulator.latency.fused_step_ms` (branch h-rules; the aggregated T̂ of
+`templates/throughput.py` prices steps with it). Where this checkout lacks it, the `fused` rows say so and hold
+the measured times alone (`fused_model_ms_per_layer` is the hook: null until the model is there)."""
 
 from __future__ import annotations
 
@@ -14,12 +20,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-RESULTS = Path(__file__).parent / "results" / "gpu_check.json"
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench._results import RESULTS as RESULTS_DIR, write_result  # noqa: E402 - run as a script from the node env
+
+RESULTS = RESULTS_DIR / "gpu_check.json"
 PLANNER_PY = os.environ.get("CORAL_PLANNER_PYTHON", "")
 MODEL = "llama-3.1-70b"  # its layer shape, dummy weights: nothing is downloaded
 PREFILL_TOKENS, DECODE_BATCH, CONTEXT = 1024, 16, 1024
 SHALLOW, DEEP = 2, 6
+# Fused steps: DECODE_BATCH decodes plus a FUSED_CHUNK-token chunk of a FUSED_PROMPT-token prompt per step
+# (vLLM's token budget set to their sum, so every step of that prompt's prefill holds both).
+FUSED_CHUNK, FUSED_PROMPT = PREFILL_TOKENS, 4 * PREFILL_TOKENS
+API_KEY = "gpu-check-key"
+# The KV connector of the PD pair; ExampleConnector (vLLM's reference: KV through shared storage) needs no
+# extra package; NixlConnector needs `nixl` on the node.
+CONNECTOR = os.environ.get("CORAL_GPU_CHECK_CONNECTOR", "ExampleConnector")
 
 
 def _free_port() -> int:
@@ -28,27 +44,41 @@ def _free_port() -> int:
     return free_port()
 
 
+def _post(port: int, path: str, body: dict) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return json.loads(r.read())
+
+
 def serve_through_coral() -> dict:
-    """`coral serve local --engine vllm` on the GPU: greedy completions against the torch engine."""
+    """`coral serve local --engine vllm` on the GPU: greedy completions and a chat completion (the model's chat
+    template) against the torch engine, and seeded sampling repeated."""
     from coral_dagster.runtime.generate import generate
+    from coral_dagster.runtime.tokenizer import apply_chat_template
 
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "coral_dagster.cli.serve", "local", "--engine", "vllm",
                              "--model", "tiny-llama", "--instances", "1", "--port", str(port), "--json",
+                             "--api-key", API_KEY,
                              "--vllm-args", "--gpu-memory-utilization 0.2 --max-model-len 512 --enforce-eager"],
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
     try:
         ready = json.loads(proc.stdout.readline() or "{}")
         prompts = ["Hello, Coral", "mixed GPUs, one pipeline"]
-        got = []
-        for p in prompts:
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", json.dumps(
-                {"model": "tiny-llama", "prompt": p, "max_tokens": 16, "ignore_eos": True}).encode(),
-                {"Content-Type": "application/json"})
-            with urllib.request.urlopen(req, timeout=120) as r:
-                got.append(json.loads(r.read())["choices"][0]["token_ids"])
+        got = [_post(port, "/v1/completions", {"model": "tiny-llama", "prompt": p, "max_tokens": 16,
+                                               "ignore_eos": True})["choices"][0]["token_ids"] for p in prompts]
         want = [list(generate("tiny-llama", p, 16, ignore_eos=True).tokens) for p in prompts]
-        return {"ready": bool(ready.get("ready")), "identical": got == want, "vllm": got, "torch": want}
+        messages = [{"role": "user", "content": "Name a reef."}]
+        chat = _post(port, "/v1/chat/completions", {"model": "tiny-llama", "messages": messages, "max_tokens": 16,
+                                                    "ignore_eos": True})["choices"][0]["message"]["content"]
+        sampled = [_post(port, "/v1/completions", {"model": "tiny-llama", "prompt": prompts[0], "max_tokens": 16,
+                                                   "temperature": 0.8, "seed": 3, "ignore_eos": True}
+                         )["choices"][0]["text"] for _ in range(2)]
+        return {"ready": bool(ready.get("ready")), "identical": got == want, "vllm": got, "torch": want,
+                "chat_identical": chat == generate("tiny-llama", apply_chat_template(messages), 16,
+                                                   ignore_eos=True).text,
+                "seeded_repeats": sampled[0] == sampled[1]}
     finally:
         os.killpg(proc.pid, 15)
         proc.wait(timeout=60)
@@ -78,7 +108,7 @@ def two_rank_pipeline() -> dict:
         engine.submit("r", np.asarray(prompt), 16)
         tokens = []
         while engine.has_work():
-            tokens += [t for _, t, _ in engine.step()]
+            tokens += [t for _, t, _, _ in engine.step()]
         want = list(generate("tiny-llama", "Hello, Coral", 16, ignore_eos=True).tokens)
         return {"split": [5, 7], "layers_per_rank": held, "expected": [list(range(5)), list(range(5, 12))],
                 "tokens_identical": tokens == want}
@@ -102,16 +132,18 @@ def _dummy_model(layers: int) -> str:
     return str(out)
 
 
-def _timings(layers: int) -> tuple[float, float]:
-    """(prefill ms of one PREFILL_TOKENS prompt, decode ms per step of DECODE_BATCH sequences at CONTEXT)."""
+def _timings(layers: int) -> tuple[float, float, float]:
+    """(prefill ms of one PREFILL_TOKENS prompt, decode ms per step of DECODE_BATCH sequences at CONTEXT, ms per
+    fused step of those decodes plus a FUSED_CHUNK-token chunk of a FUSED_PROMPT-token prompt)."""
     from vllm import LLMEngine, SamplingParams
 
     from coral_dagster.runtime.vllm_engine import VllmLaunch, engine_args
 
-    launch = VllmLaunch(_dummy_model(layers), (layers,), dtype="bfloat16", max_model_len=4096,
+    launch = VllmLaunch(_dummy_model(layers), (layers,), dtype="bfloat16", max_model_len=8192,
                         gpu_memory_utilization=0.5, enforce_eager=True)
-    llm = LLMEngine.from_engine_args(engine_args([*launch.argv(0), "--load-format", "dummy",
-                                                  "--no-enable-prefix-caching"]))
+    llm = LLMEngine.from_engine_args(engine_args([
+        *launch.argv(0), "--load-format", "dummy", "--no-enable-prefix-caching",
+        "--max-num-batched-tokens", str(DECODE_BATCH + FUSED_CHUNK)]))
     one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     prefill = []
     for i in range(6):
@@ -120,17 +152,27 @@ def _timings(layers: int) -> tuple[float, float]:
         while llm.has_unfinished_requests():
             llm.step()
         prefill.append(1000 * (time.perf_counter() - t))
-    many = SamplingParams(max_tokens=40, ignore_eos=True, detokenize=False)
+    many = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False)
     for i in range(DECODE_BATCH):
         llm.add_request(f"d{i}", {"prompt_token_ids": [11 + i] * CONTEXT}, many)
     steps = []
-    while llm.has_unfinished_requests():
+    for _ in range(DECODE_BATCH + 45):
         t = time.perf_counter()
         llm.step()
         steps.append(1000 * (time.perf_counter() - t))
+    # The decodes go on while a long prompt is prefilled beside them, one chunk per step.
+    llm.add_request("long", {"prompt_token_ids": [5] * FUSED_PROMPT}, one)
+    fused, first = [], False
+    while not first:
+        t = time.perf_counter()
+        outs = llm.step()
+        fused.append(1000 * (time.perf_counter() - t))
+        first = any(o.request_id == "long" and o.outputs and o.outputs[0].token_ids for o in outs)
+    for rid in [f"d{i}" for i in range(DECODE_BATCH)]:
+        llm.abort_request([rid])
     del llm
     # Skip the warm-up prefill and the prefill steps of the decode batch.
-    return statistics.median(prefill[1:]), statistics.median(steps[DECODE_BATCH + 5:])
+    return statistics.median(prefill[1:]), statistics.median(steps[DECODE_BATCH + 5:]), statistics.median(fused)
 
 
 def _coral_latency(phase: str) -> float | None:
@@ -145,28 +187,110 @@ def _coral_latency(phase: str) -> float | None:
     return float(doc["ms_per_layer"])
 
 
+def _fused_model() -> dict:
+    """The fused aggregated step model's ms per layer for the measured fused step, and the unfused sum (decode step
+    plus prefill chunk priced apart) beside it, from the planner environment; {"error": …} where the model is not
+    in this checkout (the hook: templates/throughput.py on h-rules prices steps with `fused_step_ms`)."""
+    if not PLANNER_PY:
+        return {"error": "no planner environment (CORAL_PLANNER_PYTHON)"}
+    code = f"""
+import json, math
+from coral_dagster.catalog.models import get_model
+from coral_dagster.catalog.nodes import NodeConfig
+from coral_dagster.profiles import default_perf_model
+try:
+    from coral_dagster.simulator.latency import ProfileStage, fused_step_ms
+except ImportError as exc:
+    print(json.dumps({{"error": f"fused step model not in this checkout: {{exc}}"}}))
+    raise SystemExit(0)
+lat = ProfileStage(default_perf_model(), get_model({MODEL!r}), NodeConfig.parse("H200:1"), 1, math.inf)
+b, ctx, c, p = {DECODE_BATCH}, {CONTEXT}, {FUSED_CHUNK}, {FUSED_PROMPT}
+past = (p - c) / 2.0
+print(json.dumps({{"fused_ms_per_layer": fused_step_ms(lat, b, b * ctx, c, c, past),
+                  "unfused_ms_per_layer": lat.decode_ms(b, b * ctx) + lat.prefill_ms(c, c, past)}}))
+"""
+    out = subprocess.run([PLANNER_PY, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    if out.returncode:
+        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}"}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def per_layer() -> dict:
-    (p2, d2), (p6, d6) = _timings(SHALLOW), _timings(DEEP)
-    measured = {"prefill": (p6 - p2) / (DEEP - SHALLOW), "decode": (d6 - d2) / (DEEP - SHALLOW)}
+    (p2, d2, f2), (p6, d6, f6) = _timings(SHALLOW), _timings(DEEP)
+    measured = {"prefill": (p6 - p2) / (DEEP - SHALLOW), "decode": (d6 - d2) / (DEEP - SHALLOW),
+                "fused": (f6 - f2) / (DEEP - SHALLOW)}
+    model = _fused_model()
     return {"model": MODEL, "node": "H200:1", "prefill_tokens": PREFILL_TOKENS, "decode_batch": DECODE_BATCH,
-            "context": CONTEXT, "measured_ms_per_layer": measured,
-            "coral_profile_ms_per_layer": {ph: _coral_latency(ph) for ph in measured}}
+            "context": CONTEXT, "fused_chunk": FUSED_CHUNK, "fused_prompt": FUSED_PROMPT,
+            "measured_ms_per_layer": measured,
+            "coral_profile_ms_per_layer": {ph: _coral_latency(ph) for ph in ("prefill", "decode")},
+            "fused_model_ms_per_layer": model.get("fused_ms_per_layer"),
+            "unfused_model_ms_per_layer": model.get("unfused_ms_per_layer"), "fused_model_error": model.get("error")}
+
+
+def pd_pair() -> dict:
+    """A prefill instance and a decode instance of tiny-llama (one after the other on this GPU) handing the KV
+    cache over through vLLM's KV connector CONNECTOR: the decode instance loads the prompt's KV (its cached-token
+    count says so) and its tokens equal the torch engine's greedy ones."""
+    from vllm import LLMEngine, SamplingParams
+
+    from coral_dagster.runtime.generate import generate
+    from coral_dagster.runtime.tokenizer import ByteTokenizer
+    from coral_dagster.runtime.vllm_engine import VllmLaunch, engine_args, vllm_model
+
+    path, n_layers, _, dtype = vllm_model("tiny-llama")
+    text = "Prefill here, decode there: one KV cache handed over between two vLLM instances. " * 2
+    prompt = ByteTokenizer().encode(text)
+    storage = tempfile.mkdtemp(prefix="coral-kv-")
+    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
+              "kv_connector_extra_config": {"shared_storage_path": storage}}
+
+    def run(role: str, max_tokens: int):
+        launch = VllmLaunch(path, (n_layers,), dtype=dtype, max_model_len=512, gpu_memory_utilization=0.2,
+                            enforce_eager=True)
+        llm = LLMEngine.from_engine_args(engine_args([*launch.argv(0), "--kv-transfer-config",
+                                                      json.dumps(config)]))
+        llm.add_request(role, {"prompt_token_ids": prompt},
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False))
+        tokens, cached = [], None
+        while llm.has_unfinished_requests():
+            for o in llm.step():
+                tokens += list(o.outputs[0].token_ids)
+                cached = o.num_cached_tokens if o.num_cached_tokens is not None else cached
+        del llm
+        return tokens, cached
+
+    try:
+        first, _ = run("prefill", 1)
+        tokens, cached = run("decode", 16)
+    except Exception as exc:  # noqa: BLE001 - the GPU build may lack the connector: reported, not fatal
+        return {"connector": CONNECTOR, "error": repr(exc)}
+    want = list(generate("tiny-llama", text, 16, ignore_eos=True).tokens)
+    return {"connector": CONNECTOR, "prompt_tokens": len(prompt), "decode_cached_tokens": cached,
+            "kv_loaded": bool(cached), "first_token_identical": first == want[:1], "tokens_identical": tokens == want}
 
 
 def main() -> None:
     started = time.monotonic()
-    doc = {"serve": serve_through_coral(), "pipeline": two_rank_pipeline(), "per_layer": per_layer()}
+    doc = {"serve": serve_through_coral(), "pipeline": two_rank_pipeline(), "per_layer": per_layer(),
+           "pd": pd_pair()}
     doc["wall_s"] = round(time.monotonic() - started, 1)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(doc, indent=2))
-    pl = doc["per_layer"]
-    print(f"{'check':<34}{'result'}")
-    print(f"{'coral serve local --engine vllm':<34}identical to torch engine: {doc['serve']['identical']}")
-    print(f"{'2-rank pipeline 5,7':<34}layers {doc['pipeline']['layers_per_rank']}, "
+    write_result(RESULTS.stem, doc, command="bash bench/gpu_check.sh")
+    pl, pd = doc["per_layer"], doc["pd"]
+    print(f"{'check':<40}{'result'}")
+    print(f"{'coral serve local --engine vllm':<40}identical to torch engine: {doc['serve']['identical']}, "
+          f"chat: {doc['serve']['chat_identical']}, seeded repeats: {doc['serve']['seeded_repeats']}")
+    print(f"{'2-rank pipeline 5,7':<40}layers {doc['pipeline']['layers_per_rank']}, "
           f"tokens identical: {doc['pipeline']['tokens_identical']}")
     for ph in ("prefill", "decode"):
-        print(f"{ph + ' ms/layer (vLLM | coral)':<34}{pl['measured_ms_per_layer'][ph]:.3f} | "
+        print(f"{ph + ' ms/layer (vLLM | coral)':<40}{pl['measured_ms_per_layer'][ph]:.3f} | "
               f"{pl['coral_profile_ms_per_layer'][ph]}")
+    print(f"{'fused step ms/layer (vLLM | model | sum)':<40}{pl['measured_ms_per_layer']['fused']:.3f} | "
+          f"{pl['fused_model_ms_per_layer']} | {pl['unfused_model_ms_per_layer']}"
+          + (f"  ({pl['fused_model_error']})" if pl["fused_model_error"] else ""))
+    print(f"{'PD pair via ' + pd['connector']:<40}" + (f"error: {pd['error']}" if "error" in pd else
+          f"KV loaded: {pd['kv_loaded']} ({pd['decode_cached_tokens']} of {pd['prompt_tokens']} tokens), "
+          f"tokens identical: {pd['tokens_identical']}"))
     print(f"wrote {RESULTS} ({doc['wall_s']} s)")
 
 

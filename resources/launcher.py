@@ -20,13 +20,15 @@ class SkyPilotLauncher(dg.ConfigurableResource):
         `prices` are the rows of the plan's own market snapshot."""
         from coral_dagster.deploy import state
         from coral_dagster.deploy.names import plan_tag
-        from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+        from coral_dagster.deploy.dry_run import write_dry_run
+        from coral_dagster.deploy.reconcile import plan_diff, reconcile
 
         plan_id = plan.plan_id
         if self.dry_run:
             diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
             dry = write_dry_run(diff, Path(self.out_dir) / plan_tag(plan_id))
-            return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
+            return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "script": str(dry.script),
+                    "commands": list(dry.commands),
                     "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep)}
         from coral_dagster.deploy.drain import CoordinatorDrainer
         from coral_dagster.deploy.sky_adapter import SkyLauncher

@@ -109,7 +109,7 @@ def test_launch_dry_run_prices_from_the_plans_snapshot_and_shows_the_full_cost(s
     assert doc["gpu_usd_per_hour"] == pytest.approx(expected, abs=1e-4)
     assert doc["total_usd_per_hour"] == pytest.approx(expected, abs=1e-4) and doc["cpu_usd_per_hour"] == 0
     assert doc["plan_usd_per_hour"] == pytest.approx(p.cost_usd_per_hour, abs=1e-4)
-    assert doc["clusters"] == len(doc["yaml"]) == gpu_nodes(p) + 1
+    assert doc["clusters"] == len([c for c in doc["commands"] if c.startswith("sky launch")]) == gpu_nodes(p) + 1
     assert any(f"unpriced: no CPU VM price in market snapshot {snap} for aws:us-east-2" in u for u in doc["unpriced"])
     text = CliRunner().invoke(launch_cli.launch, args, catch_exceptions=False).output
     assert f"deployment ${expected:,.2f}/h = ${expected:,.2f}/h for {gpu_nodes(p)} GPU node(s)" in text

@@ -41,3 +41,35 @@ def test_names_are_stable_and_carry_plan_model_instance_stage_and_node():
     assert a.startswith("qwen3-32b-") and a.endswith(f"{names.plan_tag('plan-1')}-i3p-s1n0")
     coord = names.coordinator_name("plan-1")
     assert SKYPILOT_NAME.fullmatch(coord) and len(coord) <= GCP_ROOM
+
+
+def test_a_large_deployments_clusters_and_kinds_are_named_consistently_and_uniquely(tmp_path):
+    """Every cluster of a 100-instance deployment has its own name, carrying the plan's tag; the nodes of one
+    instance share its number and phase; building the deployment again gives the same names; and the dry run's
+    kind YAMLs have distinct names too (one file per kind)."""
+    from coral_dagster.catalog.prices import load_node_prices
+    from coral_dagster.deploy.dry_run import write_dry_run
+    from coral_dagster.deploy.reconcile import plan_diff
+    from coral_dagster.deploy.spec import deployment_nodes
+    from coral_dagster.deploy.state import read_nodes
+    from coral_dagster.store import Store
+    from tests.test_deploy_reconcile import GPT, PHI, QWEN, plan
+
+    prices = load_node_prices()
+    big = plan((QWEN, "aws:us-east-2", 40), (PHI, "aws:us-east-2", 30), (GPT, "gcp:us-central1", 30))
+    nodes = deployment_nodes(big, "plan-big", prices)
+    clusters = [n.cluster_name for n in nodes]
+    assert len(clusters) == len(set(clusters)) == 1 + sum(i.count * i.template.nodes.size for i in big.instances)
+    assert [n.cluster_name for n in deployment_nodes(big, "plan-big", prices)] == clusters
+    tag = names.plan_tag("plan-big")
+    assert all(tag in c and SKYPILOT_NAME.fullmatch(c) and len(c) <= GCP_ROOM for c in clusters)
+    by_instance: dict[str, set[str]] = {}
+    for n in nodes[1:]:
+        by_instance.setdefault(n.instance_id, set()).add(n.cluster_name.rsplit("-s", 1)[0])
+    assert len(by_instance) == sum(i.count for i in big.instances)
+    assert all(len(prefixes) == 1 for prefixes in by_instance.values())
+    dry = write_dry_run(plan_diff(big, "plan-big", read_nodes(Store(tmp_path / "none.duckdb")), prices),
+                        tmp_path / "dry")
+    kinds = [p.stem for p in dry.yaml_paths]
+    assert len(kinds) == len(set(kinds)) < len(clusters) and all(SKYPILOT_NAME.fullmatch(k) for k in kinds)
+    assert [launch.cluster for launch in dry.launches] == clusters

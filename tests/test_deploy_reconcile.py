@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import subprocess
 from collections import Counter
 from dataclasses import replace
 
@@ -19,7 +21,8 @@ from coral_dagster.cli import launch as launch_cli
 from coral_dagster.deploy import state
 from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult
 from deploy_fakes import RecordingDrainer, RecordingLauncher
-from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+from coral_dagster.deploy.dry_run import write_dry_run
+from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.deploy.tasks import role_template
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.config import format_admit, parse_admit
@@ -339,38 +342,92 @@ def test_empty_plan_drains_everything_and_downs_the_coordinator_last(store):
     assert set(nodes(store).status) == {"down"}
 
 
-def test_dry_run_writes_tasks_and_commands_and_leaves_duckdb_alone(store, tmp_path):
+FAKE_SKY = """#!/usr/bin/env python3
+import json, os, sys
+args = sys.argv[1:]
+if args[:2] == ["status", "--ip"]:
+    print(json.load(open(os.environ["FAKE_SKY_IPS"]))[args[2]])
+    sys.exit(0)
+with open(os.environ["FAKE_SKY_LOG"], "a") as log:
+    log.write(json.dumps(args) + "\\n")
+"""
+
+
+def _run_script(dry, ips: dict[str, str], tmp_path) -> list[list[str]]:
+    """Run the dry run's launch.sh with a `sky` on PATH that records each call and answers `sky status --ip`
+    with `ips` (the far side of the cloud boundary); the recorded launch and down calls, in order."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "sky").write_text(FAKE_SKY)
+    (bin_dir / "sky").chmod(0o755)
+    (tmp_path / "ips.json").write_text(json.dumps(ips))
+    log = tmp_path / "sky.log"
+    log.write_text("")
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SKY_LOG": str(log),
+           "FAKE_SKY_IPS": str(tmp_path / "ips.json")}
+    done = subprocess.run(["bash", str(dry.script)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in log.read_text().splitlines()], done.stdout
+
+
+def _launched_config(call: list[str], folder) -> tuple[str, dict, list[str]]:
+    """(cluster, the task `sky launch` runs: its YAML with the --env values applied, --secret names)."""
+    assert call[:4] == ["launch", "-y", "-d", "-c"]
+    cluster, cfg = call[4], yaml.safe_load((folder / call[-1]).read_text())
+    secrets, i = [], 5
+    while i < len(call) - 1:
+        flag, value = call[i], call[i + 1]
+        if flag == "--env":
+            key, _, v = value.partition("=")
+            cfg["envs"][key] = v
+        else:
+            assert flag == "--secret"
+            secrets.append(value)
+        i += 2
+    return cluster, cfg, secrets
+
+
+def test_dry_run_script_launches_what_a_real_run_launches_from_one_yaml_per_kind(store, tmp_path):
+    """launch.sh, run against a recording `sky`, launches the same clusters in the same order with the same
+    resources, envs (addresses included) and secrets as `coral launch` itself; from one YAML per cluster kind."""
     diff = plan_diff(P1, "p1", nodes(store), PRICES)
     dry = write_dry_run(diff, tmp_path / "yaml")
     assert not store.path.exists()
-    assert len(dry.yaml_paths) == clusters_of(P1)
-    launches = [c for c in dry.commands if c.startswith("sky launch")]
-    assert len(launches) == clusters_of(P1)
-    for node, path, cmd in zip(diff.nodes_to_launch(), dry.yaml_paths, launches):
-        cfg = yaml.safe_load(path.read_text())
-        assert cmd.endswith(str(path)) and cfg["name"] == node.cluster_name and f"-c {node.cluster_name}" in cmd
-        for secret in cfg["secrets"]:
-            assert f"--secret {secret}" in cmd
-        head = node.role != "coordinator" and (node.stage, node.node_index) == (0, 0)
-        coordinator = f'--env "CORAL_COORDINATOR=tcp://$(sky status --ip {diff.coordinator.cluster_name}):5555"'
-        assert (coordinator in cmd) == head
-        assert ('--env "CORAL_SCHEDULER=tcp://$(sky status --ip ' in cmd) == (node.role == "engine" and not head)
+    launcher = RecordingLauncher()
+    reconcile(P1, "p1", Store(tmp_path / "real.duckdb"), launcher, RecordingDrainer(), PRICES)
+    calls, out = _run_script(dry, launcher.ips, tmp_path)
+    assert [c[4] for c in calls] == launched(launcher.calls)
+    kinds = {(r.config["resources"]["accelerators"] if "accelerators" in r.config["resources"] else None,
+              r.config["resources"]["region"], r.config["envs"].get("CORAL_HEAD"), r.config["resources"]["ports"]
+              .__repr__()) for r in launcher.requests.values()}
+    assert len(dry.yaml_paths) == len(kinds) < clusters_of(P1)
+    for call in calls:
+        cluster, cfg, secrets = _launched_config(call, dry.script.parent)
+        real = launcher.requests[cluster]
+        assert cfg["resources"] == real.config["resources"] and cfg["envs"] == real.config["envs"], cluster
+        assert cfg["run"] == real.config["run"] and sorted(secrets) == sorted(real.secret_names)
+    coordinator = diff.coordinator.cluster_name
+    assert f"OpenAI API: http://{launcher.ips[coordinator]}:8000/v1" in out
+    # Each wired cluster's address is looked up once, into a variable, not once per use.
+    text = dry.script.read_text()
+    assert text.count(f"sky status --ip {coordinator}") == 0 and text.count(f"$(address {coordinator})") == 1
 
     reconcile(P1, "p1", store, RecordingLauncher(), RecordingDrainer(), PRICES)
     before = nodes(store)
     diff = plan_diff(P2, "p2", before, PRICES)
     dry = write_dry_run(diff, tmp_path / "yaml2")
+    calls, _ = _run_script(dry, {}, tmp_path / "yaml2")
     removed = {c for r in diff.remove for c in r.clusters}
-    assert {c.split()[-1] for c in dry.commands if c.startswith("sky down")} == removed
-    assert len(dry.yaml_paths) == GPT.nodes.size
-    # Known addresses are written in; only those of nodes not yet launched are left to the shell.
+    assert {c[-1] for c in calls if c[0] == "down"} == removed
+    launches = [c for c in calls if c[0] == "launch"]
+    assert len(launches) == GPT.nodes.size
+    # Known addresses are written in: the live coordinator's is never looked up.
     coord = before.query("role == 'coordinator'")
-    for node, path, cmd in zip(diff.nodes_to_launch(), dry.yaml_paths,
-                               (c for c in dry.commands if c.startswith("sky launch"))):
-        envs = yaml.safe_load(path.read_text())["envs"]
-        assert coord.cluster_name.item() not in cmd
-        if (node.stage, node.node_index) == (0, 0):
-            assert envs["CORAL_COORDINATOR"] == coord.address.item()
+    for call in launches:
+        cluster, cfg, _ = _launched_config(call, dry.script.parent)
+        if cfg["envs"].get("CORAL_COORDINATOR"):
+            assert cfg["envs"]["CORAL_COORDINATOR"] == coord.address.item()
+    assert coord.cluster_name.item() not in dry.script.read_text().split("down -y")[0].split("sky status")[-1]
     assert nodes(store).equals(before)
 
 
@@ -413,7 +470,7 @@ def test_secrets_never_reach_yaml_duckdb_logs_or_output(monkeypatch, tmp_path, c
     out = _cli(monkeypatch, ["launch", "--dry-run", "--json", "--db", str(store.path), "--out",
                              str(tmp_path / "dry")], P1, "p1")
     doc = json.loads(out)
-    assert len(doc["yaml"]) == clusters_of(P1)
+    assert 1 < len(doc["yaml"]) < clusters_of(P1) and doc["script"].endswith("launch.sh")
     launcher = RecordingLauncher()
     reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
     reconcile(P2, "p2", store, launcher, RecordingDrainer(), PRICES)
@@ -426,7 +483,7 @@ def test_secrets_never_reach_yaml_duckdb_logs_or_output(monkeypatch, tmp_path, c
     for value in SECRETS.values():
         assert all(value not in t for t in texts)
         assert value.encode() not in blob
-    for p in (tmp_path / "dry").iterdir():
+    for p in (tmp_path / "dry").glob("*.yaml"):
         secrets = yaml.safe_load(p.read_text())["secrets"]
         assert secrets and all(v is None for v in secrets.values())
 
@@ -441,6 +498,10 @@ def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
     assert doc["unpriced_clusters"] == coordinator and len(coordinator) == 1
     text = _cli(monkeypatch, ["status", "--db", str(store.path)], P1, "p1")
     assert "3 instance(s)" in text
+    # The coordinator's OpenAI URL, on the address it was launched at.
+    address = state.read_nodes(store).query("role == 'coordinator'").address.item()
+    url = f"http://{address.removeprefix('tcp://').rsplit(':', 1)[0]}:8000/v1"
+    assert doc["url"] == url and f"OpenAI API: {url}" in text
 
 
 def _store_on_snapshot(store, p: Plan, price_scale: float = 1.0) -> str:
@@ -486,7 +547,8 @@ def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
     dry = runner.invoke(launch_cli.launch, ["--dry-run", "--json", "--db", str(store.path), "--out",
                                             str(tmp_path / "y")], catch_exceptions=False)
     doc = json.loads(dry.output)
-    assert doc["plan_id"] == plan_id and len(doc["yaml"]) == clusters_of(P1)
+    assert doc["plan_id"] == plan_id and len([c for c in doc["commands"] if c.startswith("sky launch")]) == \
+        clusters_of(P1)
     assert state.read_nodes(store).empty
     launcher = RecordingLauncher()
     monkeypatch.setattr(sky_adapter, "SkyLauncher", lambda retry_until_up: launcher)
@@ -494,5 +556,7 @@ def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
                          catch_exceptions=False)
     report = json.loads(real.output)
     assert report["status"] == "done" and sorted(report["launched"]) == sorted(launcher.ips)
+    coordinator = next(c for c in launcher.ips if c.endswith("-coord"))
+    assert report["url"] == f"http://{launcher.ips[coordinator]}:8000/v1"
     assert len(launcher.ips) == clusters_of(P1)
     assert set(state.read_nodes(store).plan_id) == {plan_id}

@@ -27,7 +27,8 @@ from coral_dagster import paths
 from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
-from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+from coral_dagster.deploy.dry_run import write_dry_run
+from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
 from deploy_fakes import RecordingDrainer, RecordingLauncher
@@ -89,6 +90,18 @@ for row in payload["prices"]:
         **row, "sky_usd_per_hour": cost(row), "sky_types": types or [],
         "sky_spot_by_zone": {z: cost(row, zone=z, use_spot=True) for z in row["zones"]},
         "sky_parts_by_zone": {z: parts(row, z) for z in row["zones"]}})
+
+# Each `sky launch` of the dry run's launch.sh: its kind's YAML with the cluster's --env values applied.
+out["launches"] = {}
+for launch in payload["launches"]:
+    task = sky.Task.from_yaml(launch["kind"])
+    task.update_envs(launch["envs"])
+    task.validate()
+    (r,) = task.resources
+    out["launches"][launch["cluster"]] = {
+        "cloud": str(r.cloud).lower(), "region": r.region, "instance_type": r.instance_type,
+        "accelerators": r.accelerators, "use_spot": r.use_spot, "ports": r.ports, "disk_size": r.disk_size,
+        "envs": dict(task.envs), "run": task.run}
 
 limit = sky.GCP.max_cluster_name_length()
 user = common_utils.get_user_hash()
@@ -188,7 +201,11 @@ def probe(tmp_path_factory):
     engine = next(r for r in launcher.requests.values() if "CORAL_LAYERS" in r.config["envs"])
     rows = [{"cloud": r.region.split(":")[0], "region": r.region.split(":")[1], "gpu": r.gpu, "gpus": int(r.gpus),
              "instance_type": r.instance_type, "zones": _zones(r)} for r in PRICES.itertuples()]
+    launches = [{"cluster": c.cluster, "kind": str(c.kind), "envs": {
+        **dict(c.envs), **{env: ",".join(f"tcp://{launcher.ips[x]}:5555" for x in cs) for env, cs in c.wired}}}
+        for c in dry.launches]
     payload = {"yamls": [str(p) for p in [*dry.yaml_paths, *wired, *checked_in]], "prices": rows,
+               "launches": launches,
                "names": [n.cluster_name for n in diff.nodes_to_launch()],
                "request": {"cluster_name": engine.cluster_name, "config": dict(engine.config),
                            "secret_names": list(engine.secret_names)},
@@ -204,6 +221,7 @@ def probe(tmp_path_factory):
     result["_diff"] = diff
     result["_launcher"] = launcher
     result["_wired"] = {str(p) for p in wired}
+    result["_kinds"] = {str(p) for p in dry.yaml_paths}
     return result
 
 
@@ -214,16 +232,18 @@ def state_frame(tmp_path_factory):
 
 def _ports(envs: dict) -> list[str]:
     """What a task opens, from what it runs: a Coral head also its engine's port (SkyPilot writes the two as a
-    range), a vLLM node vLLM's."""
+    range), a vLLM node vLLM's, the coordinator its HTTP front door."""
     if envs.get("CORAL_HEAD") == "1":
         return ["5555-5556"]
-    return ["5555", "29501"] if "CORAL_NODE_RANK" in envs else ["5555"]
+    if "CORAL_HTTP_PORT" in envs:
+        return ["5555", "8000"]
+    return ["5555", "29501"] if "CORAL_VLLM_PORT" in envs else ["5555"]
 
 
 def test_every_generated_and_checked_in_task_loads_and_validates(probe):
     tasks = probe["tasks"]
     n_nodes = 1 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
-    assert len(tasks) == 2 * n_nodes + 3
+    assert len(tasks) == len(probe["_kinds"]) + n_nodes + 3 and len(probe["_kinds"]) <= n_nodes
     for t in tasks:
         assert t["ports"] == _ports(t["envs"]), t["path"]
         assert t["inline_secrets"] == []
@@ -234,7 +254,8 @@ def test_every_generated_and_checked_in_task_loads_and_validates(probe):
 def test_engine_resources_match_the_plan_node_by_node(probe):
     nodes = {n.cluster_name: n for n in probe["_diff"].nodes_to_launch()}
     engines = [t for t in probe["tasks"] if t["name"] in nodes and nodes[t["name"]].role == "engine"]
-    assert len(engines) == 2 * sum(i.count * i.template.nodes.size for i in PLAN.instances)
+    # The tasks a real run hands SkyPilot; the dry run's launches equal them (test below).
+    assert len(engines) == sum(i.count * i.template.nodes.size for i in PLAN.instances)
     for t in engines:
         n = nodes[t["name"]]
         node = NodeConfig.parse(n.node)
@@ -309,6 +330,17 @@ def test_spot_prices_agree_with_skypilot_zone_by_zone(probe):
 
 def test_cluster_names_reach_gcp_unshortened(probe):
     assert probe["names"] and all(probe["names"].values())
+
+
+def test_the_dry_run_script_launches_what_a_real_run_launches_as_skypilot_reads_it(probe):
+    """Each `sky launch` of launch.sh (its kind's YAML plus the cluster's --env values, loaded and validated by
+    SkyPilot) has the resources, envs and run script of the task a real `coral launch` hands SkyPilot."""
+    wired = {t["name"]: t for t in probe["tasks"] if t["path"] in probe["_wired"]}
+    assert set(probe["launches"]) == set(wired)
+    for cluster, got in probe["launches"].items():
+        want = wired[cluster]
+        for key in ("cloud", "region", "instance_type", "accelerators", "use_spot", "ports", "disk_size", "envs"):
+            assert got[key] == want[key], (cluster, key)
 
 
 def test_secrets_go_to_skypilot_as_secrets_only(probe):

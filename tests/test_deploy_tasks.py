@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, HEAD_ENGINE_PORT
+from coral_dagster.deploy.spec import CORAL_PORT, HEAD_ENGINE_PORT, HTTP_PORT
 
 # The roles whose run ends in one `coral serve <role>` (a vLLM node's run picks its rank's command).
 ROLES = ("engine", "coordinator")
@@ -31,7 +31,8 @@ def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
         assert "vllm" not in setup and "setup_node" not in setup and "python -m pip install -e ." in setup
     project = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]
     base = {re.split(r"[=<>]", d)[0] for d in project["dependencies"]}
-    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn"}  # uvicorn: the coordinator's front door
+    # uvicorn: the coordinator's front door; prometheus-client its /metrics; jinja2 its chat templates.
+    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn", "prometheus-client", "jinja2"}
 
 
 def _setup_node_pip_calls(tmp_path, **env: str) -> list[str]:
@@ -64,10 +65,14 @@ def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():
         assert {"CORAL_CURVE_SECRET_KEY", "CORAL_CURVE_PUBLIC_KEYS"} <= set(doc["secrets"])
         assert ("HF_TOKEN" in doc["secrets"]) == (role == "engine")
         # The engine task's defaults are a head's: its scheduler on CORAL_PORT, its engine on the next port.
-        assert doc["resources"]["ports"] == ([CORAL_PORT, HEAD_ENGINE_PORT] if role == "engine" else CORAL_PORT)
+        assert doc["resources"]["ports"] == ([CORAL_PORT, HEAD_ENGINE_PORT] if role == "engine" else
+                                             [CORAL_PORT, HTTP_PORT])
         assert doc["envs"]["CORAL_LISTEN"] == f"tcp://0.0.0.0:{CORAL_PORT}"
         assert doc["run"].strip().endswith(f"python -m coral_dagster.cli.serve {role}")
-    assert task("coordinator")["envs"]["CORAL_HTTP_HOST"] == "127.0.0.1"
+    # Clients reach the coordinator's front door from outside, with the deployment's API key (a secret).
+    coordinator = task("coordinator")
+    assert coordinator["envs"]["CORAL_HTTP_HOST"] == "0.0.0.0"
+    assert coordinator["envs"]["CORAL_HTTP_PORT"] == str(HTTP_PORT) and "CORAL_API_KEY" in coordinator["secrets"]
 
 
 @pytest.mark.parametrize("curl, expected", [
@@ -96,32 +101,47 @@ def _head_script(role: str, tmp_path, scheduler: str, engine: str) -> str:
     return run
 
 
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries `mark` (the stand-ins a head script started)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and mark.encode() in (open(f"/proc/{entry}/environ", "rb").read()):
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
 @pytest.mark.parametrize("role", ["engine", "vllm"])
 @pytest.mark.parametrize("dies", ["scheduler", "engine"])
 def test_a_head_whose_scheduler_or_engine_exits_stops_the_other_and_fails(role, dies, tmp_path):
     """Either of a head's two processes exiting ends the job with a failure and takes the other down (the
-    reconciler then relaunches it), instead of an engine left running without its scheduler or the reverse."""
+    reconciler then relaunches it), instead of an engine left running without its scheduler or the reverse.
+
+    The dying stand-in exits at once, so it has exited before the script starts waiting: the case bash's
+    `wait -n` missed (it waited on the survivor, 60 s here) whatever the machine's load."""
     (tmp_path / "curl").write_text("#!/bin/sh\nexit 22\n")
     (tmp_path / "curl").chmod(0o755)
-    survivor = "engine" if dies == "scheduler" else "scheduler"
-    stand_in = {dies: "sh -c 'sleep 0.5; exit 3'",
-                survivor: f"sh -c 'echo $$ > {tmp_path}/pid; exec sleep 60'"}
+    stand_in = {dies: "sh -c 'exit 3'", ("engine" if dies == "scheduler" else "scheduler"): "sh -c 'exec sleep 60'"}
     script = _head_script(role, tmp_path, stand_in["scheduler"], stand_in["engine"])
     assert "sleep 60" in script and "exit 3" in script
+    mark = f"CORAL_HEAD_TEST_{os.getpid()}_{role}_{dies}"
     env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "CORAL_LISTEN": "tcp://0.0.0.0:5555", "CORAL_HEAD": "1",
-           "CORAL_NODE_RANK": "0", "CORAL_LAYERS": "0:10", "SKYPILOT_NODE_IPS": "10.1.2.3"}
-    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=30)
-    assert out.returncode != 0
-    pid = int((tmp_path / "pid").read_text())
+           "CORAL_NODE_RANK": "0", "CORAL_LAYERS": "0:10", "SKYPILOT_NODE_IPS": "10.1.2.3", mark: "1"}
+    started = time.monotonic()
+    out = subprocess.run(["bash", "-c", script], env=env, capture_output=True, text=True, timeout=45)
+    assert out.returncode == 1, out.stderr
+    assert time.monotonic() - started < 30, "the head waited on its survivor instead of ending"
     for _ in range(50):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _marked(mark):
             break
         time.sleep(0.1)
     else:
-        os.kill(pid, 9)
-        raise AssertionError(f"the {survivor} stand-in outlived the head's job")
+        left = _marked(mark)
+        for pid in left:
+            os.kill(pid, 9)
+        raise AssertionError(f"stand-ins {left} outlived the head's job")
 
 
 def test_every_cluster_states_its_disk():

@@ -53,10 +53,15 @@ def test_a_vllm_instance_is_one_cluster_per_stage_wired_to_its_head(store):
     assert set(rows.role) == {"vllm", "engine", "coordinator"} and (rows.role == "coordinator").sum() == 1
 
 
-def _run_script(config: dict, tmp_path, rc: int = 0) -> list[str]:
-    """The node's run script with a `python` on PATH that prints what it was asked to serve (then serves a second,
-    so a head's two processes both start before one ends); the script must exit with `rc`."""
-    (tmp_path / "python").write_text('#!/bin/sh\nshift 2\necho "serve $*"\nsleep 1\n')
+def _run_script(config: dict, tmp_path, rc: int = 0, processes: int = 1) -> list[str]:
+    """The node's run script with a `python` on PATH that prints what it was asked to serve and ends once all
+    `processes` of the script have printed (so none is stopped before it printed, whatever the load); the
+    script must exit with `rc`."""
+    started = tmp_path / "started"
+    started.write_text("")
+    (tmp_path / "python").write_text(
+        f'#!/bin/sh\nshift 2\necho "serve $*"\necho x >> {started}\n'
+        f'while [ "$(wc -l < {started})" -lt {processes} ]; do sleep 0.05; done\n')
     (tmp_path / "python").chmod(0o755)
     env = {**os.environ, **config["envs"], "SKYPILOT_NODE_IPS": "10.9.8.7\n10.9.8.8",
            "PATH": f"{tmp_path}:{os.environ['PATH']}"}
@@ -72,7 +77,7 @@ def test_head_runs_scheduler_and_engine_and_workers_join_its_address(store, tmp_
     gpt = rows[rows.model == "gpt-oss-20b"].sort_values("stage").cluster_name
     head, worker = (launcher.requests[c].config for c in gpt.iloc[:2])
     # The head's job fails once its scheduler or engine ends (the reconciler relaunches it).
-    assert _run_script(head, tmp_path, rc=1) == [
+    assert _run_script(head, tmp_path, rc=1, processes=2) == [
         "serve engine --vllm-head 10.9.8.7 --stage-rank 0 --scheduler tcp://127.0.0.1:5556 "
         "--listen tcp://127.0.0.1:5557",
         "serve scheduler --split 24 --listen tcp://127.0.0.1:5556"]

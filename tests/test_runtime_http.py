@@ -13,9 +13,10 @@ import pytest
 import zmq
 from hypothesis import strategies as st
 
+from coral_dagster.errors import CoralError
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
 from coral_dagster.runtime.coordinator import Coordinator
-from coral_dagster.runtime.frontdoor import error_event
+from coral_dagster.runtime.frontdoor import FrontDoor, error_event
 from coral_dagster.runtime.local import free_port
 from coral_dagster.runtime.security import CurveKeys
 from runtime_fakes import FakeScheduler, background
@@ -231,3 +232,43 @@ def test_generated_bodies_get_a_json_answer_and_never_take_the_door_down(door):
     check()
     status, _, doc = request(port, "POST", "/v1/completions", {"model": "m", "prompt": [1, 2, 3], "max_tokens": 2})
     assert status == 200, doc
+
+
+def test_the_front_door_serves_https_with_a_certificate(tmp_path):
+    """With --tls-certfile/--tls-keyfile the same API is served over HTTPS: the official client trusting the
+    certificate gets answers, plain HTTP on that port gets none, and a half-given pair is refused at start."""
+    import ssl
+    import subprocess
+
+    import httpx
+    import openai
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    keys = CurveKeys.generate()
+    port = free_port()
+    with ExitStack() as stack:
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=port, api_key=KEY, timing=TIMING,
+                                              http_tls_certfile=str(cert), http_tls_keyfile=str(key)), keys, ctx=ctx)
+        background(stack, coord.run)
+        background(stack, FakeScheduler(coord.address, "i0", keys).run)
+        client = openai.OpenAI(base_url=f"https://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0,
+                               http_client=httpx.Client(verify=ssl.create_default_context(cafile=str(cert))))
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                assert [m.id for m in client.models.list().data] == ["m"]
+                break
+            except openai.APIStatusError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        assert client.completions.create(model="m", prompt="hi", max_tokens=1).choices[0].text == "A"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+    with pytest.raises(CoralError, match="both a certificate and its private key"):
+        FrontDoor(zmq.Context.instance(), "inproc://unused", "127.0.0.1", 0, 1.0, KEY, 1.0, MAX_BODY,
+                  tls=(str(cert), None))

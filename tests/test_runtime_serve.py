@@ -111,7 +111,8 @@ def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
         assert [c["finish_reason"] for c in chunks][-1] == expected[1]["finish_reason"]
 
         for bad, code, words in (({"model": "other", "prompt": "x"}, 404, "one of: tiny-llama"),
-                                 ({"model": "tiny-llama", "prompt": "x", "temperature": 0.8}, 400, "greedy"),
+                                 ({"model": "tiny-llama", "prompt": "x", "presence_penalty": 0.8}, 400,
+                                  "presence_penalty"),
                                  ({"model": "tiny-llama", "prompt": 5}, 400, "prompt")):
             with pytest.raises(urllib.error.HTTPError) as err:
                 http(info["http"] + "/v1/completions", bad, key=key)

@@ -57,7 +57,7 @@ def test_decoder_matches_hugging_face_llama(full):
         w = layer_weights(CFG, i)
         state.update({f"model.layers.{i}.{hf}.weight": getattr(w, ours) for ours, hf in names.items()})
     model.load_state_dict(state, strict=True)
-    ours, _ = generate_tokens(full, PROMPT, 20, ignore_eos=True)
+    ours, _, _ = generate_tokens(full, PROMPT, 20, ignore_eos=True)
     with torch.no_grad():
         theirs = model.generate(torch.tensor([PROMPT]), max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert ours == theirs[0, len(PROMPT):].tolist()
@@ -94,7 +94,7 @@ def test_pipeline_of_stages_and_batching_equal_the_single_engine(full):
 
 def test_kv_handoff_between_different_splits_continues_the_same_decode(full):
     """Prefill on stages 3,5,4, hand KV to decode stages 6,6 per overlapping layer range, decode on: same tokens."""
-    expected, _ = generate_tokens(full, PROMPT, 10, ignore_eos=True)
+    expected, _, _ = generate_tokens(full, PROMPT, 10, ignore_eos=True)
     prefill = [TorchEngine(CFG, a, b) for a, b in stage_ranges((3, 5, 4))]
     decode = [TorchEngine(CFG, a, b) for a, b in stage_ranges((6, 6))]
     first = _chain(prefill, [Step("r", 0, tokens=np.asarray(PROMPT))])[0]

@@ -170,6 +170,21 @@ def test_coral_serve_local_with_vllm_matches_the_torch_engine(node_env, tmp_path
         _stop(proc)
 
 
+def test_the_openai_api_behaves_the_same_through_vllm_as_through_the_torch_engine(node_env, tmp_path):
+    """The parity battery (tests/openai_battery.py, official client): chat and completions, stop strings, echo,
+    n, usage chunks, logprobs (vLLM's raw log-probabilities within float32 noise of the torch engine's), seeded
+    repeats and refused fields, through `coral serve local --engine vllm`, equal the reference the torch
+    engine's battery is held to in the default tier."""
+    from openai_battery import assert_same, expected, observe
+
+    port = free_port()
+    proc, _ = _serve_local_vllm(node_env, tmp_path, port)
+    try:
+        assert_same(observe(f"http://127.0.0.1:{port}/v1", API_KEY), expected(), tolerance=1e-3)
+    finally:
+        _stop(proc)
+
+
 def _names(pids: set[int]) -> set[str]:
     """Process names (vLLM titles its own: VLLM::EngineCore, VLLM::Worker) of those still running."""
     names = set()
@@ -276,7 +291,7 @@ if __name__ == "__main__":
         e.submit("r", np.asarray([256, *b"Hello, Coral"]), 8)
         tokens = []
         while e.has_work():
-            tokens += [t for _, t, _ in e.step()]
+            tokens += [t for _, t, _, _ in e.step()]
         result["tokens"] = tokens
     except Exception as exc:
         result["error"] = f"{{type(exc).__name__}}: {{exc}}"[:300]

@@ -73,8 +73,11 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
     node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
     The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
-    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
-    are read from this shell at launch and handed to SkyPilot as secrets, never written anywhere. A real run
+    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN,
+    CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS, CORAL_API_KEY) are read from this shell at launch and handed to
+    SkyPilot as secrets, never written anywhere. The coordinator's OpenAI URL is printed at the end (and by
+    `coral status`); clients send CORAL_API_KEY as their api_key. --dry-run writes one task YAML per cluster kind
+    and `launch.sh`, which launches every cluster from them in order. A real run
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
     from coral_dagster import paths
@@ -83,7 +86,8 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     from coral_dagster.deploy import state
     from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy.names import plan_tag
-    from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
+    from coral_dagster.deploy.dry_run import write_dry_run
+    from coral_dagster.deploy.reconcile import plan_diff, reconcile
     from coral_dagster.store import Store
 
     store = Store(db_path)
@@ -99,7 +103,8 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
         if as_json:
             emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True, "priced_from": priced_from,
                        "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), "out": str(out),
-                       "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
+                       "yaml": [str(p) for p in dry.yaml_paths], "script": str(dry.script),
+                       "commands": list(dry.commands),
                        "keep": list(diff.keep), "actions": _records(actions)})
             return
         _echo_cost(plan, cost, priced_from)
@@ -108,7 +113,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
             return
         emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
                                    f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
-        click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")
+        click.echo(f"# {len(dry.yaml_paths)} task YAML(s), one per cluster kind, in {out}; run {dry.script}:")
         for line in dry.commands:
             click.echo(line)
         return
@@ -118,14 +123,30 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
 
     report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
                        prices, drain_timeout_s)
+    url = _endpoint(state.read_nodes(store))
     if as_json:
-        emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict()})
+        emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(),
+                   "url": url})
         return
     _echo_cost(plan, cost, priced_from)
     click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
                f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
     for message in report.messages:
         click.echo(f"  {message}")
+    _echo_endpoint(url)
+
+
+def _endpoint(nodes: pd.DataFrame) -> str | None:
+    """The OpenAI base URL of the live coordinator, or None when none is up."""
+    from coral_dagster.deploy.tasks import http_url
+
+    up = nodes[(nodes.role == "coordinator") & (nodes.status == "launched") & nodes.address.notna()]
+    return http_url(up.address.iloc[0]) if len(up) else None
+
+
+def _echo_endpoint(url: str | None) -> None:
+    if url:
+        click.echo(f"OpenAI API: {url} (clients send $CORAL_API_KEY as their api_key)")
 
 
 @click.command("status")
@@ -144,8 +165,9 @@ def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     columns = ["cluster_name", "role", "status", "instance_id", "model", "phase", "region", "stage", "node",
                "instance_type", "use_spot", "usd_per_hour", "address", "plan_id"]
     shown = shown[columns].reset_index(drop=True)
+    url = _endpoint(nodes) if not nodes.empty else None
     if as_json:
-        emit_json({**summary, "nodes": _records(shown)})
+        emit_json({**summary, "url": url, "nodes": _records(shown)})
         return
     if nodes.empty:
         click.echo("nothing deployed yet (run `coral launch --dry-run` to see what a plan would start)")
@@ -157,3 +179,4 @@ def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     if summary["last_run"]:
         last = summary["last_run"]
         click.echo(f"last run {last['run_id']} for plan {last['plan_id']}: {last['status']}")
+    _echo_endpoint(url)

@@ -107,12 +107,16 @@ def serve() -> None:
 @_opt("--max-retries", env="MAX_RETRIES", type=int, default=1, show_default=True,
       help="Times a failed request resumes on another instance.")
 @_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
+@_opt("--tls-certfile", env="TLS_CERTFILE", default=None,
+      help="PEM certificate (chain) to serve HTTPS with; needs --tls-keyfile.")
+@_opt("--tls-keyfile", env="TLS_KEYFILE", default=None, help="PEM private key of --tls-certfile.")
 @_opt("--admit", env="ADMIT", default="",
       help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
            "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
-                    api_key: str | None, admit: str, insecure: bool, as_json: bool, **kw: Any) -> None:
+                    api_key: str | None, tls_certfile: str | None, tls_keyfile: str | None, admit: str,
+                    insecure: bool, as_json: bool, **kw: Any) -> None:
     """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
     from coral_dagster.runtime.roles import run_coordinator
@@ -122,7 +126,8 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
                                       http_port=None if http_port < 0 else http_port, models=models,
                                       max_retries=max_retries, api_key=api_key, timing=_timing(kw),
                                       admit_req_s=admit_req_s, admit_depth_req=admit_depth_req,
-                                      admit_peak=admit_peak), insecure, as_json)
+                                      admit_peak=admit_peak, http_tls_certfile=tls_certfile,
+                                      http_tls_keyfile=tls_keyfile), insecure, as_json)
 
 
 @serve.command("scheduler")
@@ -288,17 +293,23 @@ def keys_cmd(as_json: bool) -> None:
 @click.option("--model", default="tiny-llama", show_default=True, help="Runtime model.")
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--greedy/--no-greedy", default=True, show_default=True,
-              help="Greedy decoding (the only mode the runtime implements).")
+              help="Greedy decoding; --no-greedy samples at --temperature (seeded by --seed).")
+@click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature (--no-greedy).")
+@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass kept (--no-greedy).")
+@click.option("--top-k", type=int, default=0, show_default=True, help="Most likely tokens kept; 0 keeps all.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of the draws (--no-greedy).")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Most tokens to generate.")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past EOS.")
 @_json
-def generate(model: str, prompt: str, greedy: bool, max_tokens: int, ignore_eos: bool, as_json: bool) -> None:
-    """Complete a prompt in this process: the reference `coral serve` must match token for token."""
+def generate(model: str, prompt: str, greedy: bool, temperature: float, top_p: float, top_k: int, seed: int,
+             max_tokens: int, ignore_eos: bool, as_json: bool) -> None:
+    """Complete a prompt in this process: the reference `coral serve` must match token for token (sampled
+    completions too: each draw is seeded by the seed and the position, as served)."""
     from coral_dagster.runtime.generate import generate as run
+    from coral_dagster.runtime.sampling import SamplingParams
 
-    if not greedy:
-        raise CoralError("only greedy decoding is implemented.", "pass --greedy")
-    c = run(model, prompt, max_tokens, ignore_eos)
+    sampling = None if greedy else SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
+    c = run(model, prompt, max_tokens, ignore_eos, sampling=sampling)
     data = {"text": c.text, "tokens": list(c.tokens), "finish_reason": c.finish_reason,
             "prompt_tokens": c.prompt_tokens}
     click.echo(json.dumps(data) if as_json else c.text)

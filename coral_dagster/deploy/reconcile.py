@@ -368,39 +368,6 @@ def _remove(removal: Removal, coordinator: str | None, launcher: Launcher, drain
         run.downed.append(name)
 
 
-@dataclass(frozen=True)
-class DryRun:
-    """The YAMLs a dry run wrote and the commands a real run would perform, in order."""
-
-    yaml_paths: tuple[Path, ...]
-    commands: tuple[str, ...]
-
-
-def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
-    """Write the task YAML of every node to launch and list the `sky launch` / drain / `sky down` steps.
-
-    Addresses already recorded go into the YAML; the others become `--env` with `$(sky status --ip …)`.
-    """
-    written: list[Path] = []
-    commands: list[str] = []
-    coordinator = diff.coordinator_cluster
-    for node in diff.nodes_to_launch():
-        wired = tasks.wired_envs(node, coordinator, diff.addresses, shell=True)
-        later = {k: v for k, v in wired.items() if "$(" in v}
-        path = tasks.write_task(tasks.task_config(node, {k: v for k, v in wired.items() if k not in later}),
-                                out_dir)
-        written.append(path)
-        commands.append(tasks.launch_command(node, path, later))
-    if diff.coordinator is not None and coordinator in diff.addresses:
-        text = dict(diff.coordinator.envs).get("CORAL_ADMIT", "")
-        commands.append(f"# set the live coordinator's admission limits to {text or 'none (admit every request)'}")
-    for removal in diff.remove:
-        if removal.instance_id != COORDINATOR_SLOT:
-            commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")
-        commands += [tasks.down_command(c) for c in removal.clusters]
-    return DryRun(tuple(written), tuple(commands))
-
-
 def teardown_removals(records: pd.DataFrame) -> tuple[Removal, ...]:
     """Every recorded cluster that is not down yet, by instance, the coordinator last (it drains the others)."""
     removals = [Removal(r.instance_id, r.open_clusters, "coral down") for r in _recorded_instances(records)

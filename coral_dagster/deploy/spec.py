@@ -24,6 +24,8 @@ GPU_ROLES: tuple[Role, ...] = ("engine", "vllm")
 COORDINATOR_SLOT = "coordinator"
 # One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
 CORAL_PORT = 5555
+# The coordinator's OpenAI-compatible HTTP front door, opened to clients (they send the deployment's API key).
+HTTP_PORT = 8000
 # vLLM's torch.distributed port on an instance's head node (its --master-port), opened beside CORAL_PORT.
 VLLM_MASTER_PORT = 29501
 # A Coral-runtime head's engine port (sky_tasks/engine.yaml): its scheduler holds CORAL_PORT, the address the

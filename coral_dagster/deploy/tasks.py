@@ -1,4 +1,4 @@
-"""SkyPilot task configs from the `sky_tasks/` YAMLs, filled per node, and the `sky` commands that run them."""
+"""SkyPilot task configs from the `sky_tasks/` YAMLs, filled per node; addresses, URLs and `sky down` lines."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, HEAD_ENGINE_PORT, VLLM_MASTER_PORT, NodeSpec
+from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, HEAD_ENGINE_PORT, HTTP_PORT, VLLM_MASTER_PORT, NodeSpec
 from coral_dagster.errors import CatalogError, CoralError
 
 SKY_TASKS_DIR = paths.REPO_ROOT / "sky_tasks"
@@ -61,8 +61,10 @@ def wiring(node: NodeSpec, coordinator_cluster: str | None) -> dict[str, tuple[s
 
 
 def ports(node: NodeSpec) -> int | list[int]:
-    """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes) or the engine's own
-    beside the scheduler's (a Coral-runtime head)."""
+    """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes), the engine's own
+    beside the scheduler's (a Coral-runtime head), or the HTTP front door clients call (the coordinator)."""
+    if node.role == "coordinator":
+        return [CORAL_PORT, HTTP_PORT]
     if node.role == "vllm":
         return [CORAL_PORT, VLLM_MASTER_PORT]
     if node.role == "engine" and node.runs_scheduler:
@@ -70,25 +72,15 @@ def ports(node: NodeSpec) -> int | list[int]:
     return CORAL_PORT
 
 
-def wired_envs(node: NodeSpec, coordinator_cluster: str | None, addresses: Mapping[str, str], *,
-               shell: bool = False) -> dict[str, str]:
-    """The wiring envs as comma-separated `tcp://ip:port` lists.
-
-    A cluster without a known address is an error, or with `shell=True` (dry runs) a `$(sky status --ip …)`
-    substitution the shell resolves when the printed command runs.
-    """
+def wired_envs(node: NodeSpec, coordinator_cluster: str | None, addresses: Mapping[str, str]) -> dict[str, str]:
+    """The wiring envs as comma-separated `tcp://ip:port` lists; a cluster without a known address is an error."""
     out = {}
     for env, clusters in sorted(wiring(node, coordinator_cluster).items()):
-        values = []
-        for c in clusters:
-            if c in addresses:
-                values.append(addresses[c])
-            elif shell:
-                values.append(f"tcp://$(sky status --ip {c}):{CORAL_PORT}")
-            else:
-                raise CoralError(f"{node.cluster_name} needs the address of {c}, which has none recorded.",
-                                 "run `coral launch` again: it launches nodes in the order that fills this.")
-        out[env] = ",".join(values)
+        missing = [c for c in clusters if c not in addresses]
+        if missing:
+            raise CoralError(f"{node.cluster_name} needs the address of {missing[0]}, which has none recorded.",
+                             "run `coral launch` again: it launches nodes in the order that fills this.")
+        out[env] = ",".join(addresses[c] for c in clusters)
     return out
 
 
@@ -132,18 +124,14 @@ def node_address(ip: str) -> str:
     return f"tcp://{ip}:{CORAL_PORT}"
 
 
-def launch_command(node: NodeSpec, yaml_path: Path, envs: Mapping[str, str] | None = None) -> str:
-    """The `sky launch` line for one node; secrets go by name (`--secret NAME` reads $NAME from the shell).
+# The coordinator task serves plain HTTP unless CORAL_TLS_CERTFILE/KEYFILE are set (README, "Launch").
+HTTP_SCHEME = "http"
 
-    `envs` are passed with `--env`, in double quotes so `$(sky status --ip …)` resolves when the line runs.
-    """
-    parts = ["sky", "launch", "-y", "-d", "-c", node.cluster_name]
-    for name in secret_names(node.role):
-        parts += ["--secret", name]
-    line = " ".join(shlex.quote(p) for p in parts)
-    for key, value in sorted((envs or {}).items()):
-        line += f' --env "{key}={value}"'
-    return f"{line} {shlex.quote(str(yaml_path))}"
+
+def http_url(address: str) -> str:
+    """The OpenAI base URL of a coordinator recorded at `tcp://ip:port`."""
+    ip = address.removeprefix("tcp://").rsplit(":", 1)[0]
+    return f"{HTTP_SCHEME}://{ip}:{HTTP_PORT}/v1"
 
 
 def down_command(cluster_name: str) -> str:

@@ -11,6 +11,7 @@ import zmq
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security
 
 FINAL = ("done", "error")
@@ -60,10 +61,11 @@ class Client:
                 self._kept.extend(h for _, h, _ in wire.drain(self.sock))
 
     def submit(self, model: str, prompt: str | None = None, prompt_tokens: list[int] | None = None,
-               max_tokens: int = 16, ignore_eos: bool = False) -> str:
-        """Send one request; returns its tag."""
+               max_tokens: int = 16, ignore_eos: bool = False, sampling: SamplingParams | None = None) -> str:
+        """Send one request (greedy unless `sampling`); returns its tag."""
         tag = self._tag()
-        header = {"kind": "submit", "tag": tag, "model": model, "max_tokens": max_tokens, "ignore_eos": ignore_eos}
+        header = {"kind": "submit", "tag": tag, "model": model, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+                  "sampling": sampling.message() if sampling else None}
         header.update({"prompt_tokens": list(prompt_tokens)} if prompt_tokens is not None else {"prompt": prompt})
         wire.send(self.sock, header, block=True)
         return tag

@@ -83,6 +83,9 @@ class CoordinatorConfig:
     # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
     http_read_timeout_s: float = 10.0
     http_max_body_bytes: int = 4 << 20
+    # PEM certificate chain and private key: the front door serves HTTPS when both are set.
+    http_tls_certfile: str | None = None
+    http_tls_keyfile: str | None = None
 
 
 @dataclass(frozen=True)

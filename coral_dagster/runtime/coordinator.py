@@ -16,6 +16,7 @@ from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
                                           token_ids)
+from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security, is_local
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
 from coral_dagster.routing import Admission, Candidate, Router
@@ -58,6 +59,8 @@ class _Request:
     instances: dict[str, str] = field(default_factory=dict)
     history: list[str] = field(default_factory=list)
     last_progress: float = field(default_factory=time.monotonic)
+    # Sampling parameters (`runtime/sampling.py`, checked here), sent with every attempt.
+    sampling: dict[str, Any] | None = None
 
 
 class Coordinator:
@@ -105,7 +108,8 @@ class Coordinator:
             self.http = FrontDoor(self.ctx, self.front_address, cfg.http_host, cfg.http_port,
                                   timeout_s=cfg.timing.request_timeout_s * (cfg.max_retries + 1) + 5,
                                   api_key=cfg.api_key, read_timeout_s=cfg.http_read_timeout_s,
-                                  max_body_bytes=cfg.http_max_body_bytes)
+                                  max_body_bytes=cfg.http_max_body_bytes,
+                                  tls=(cfg.http_tls_certfile, cfg.http_tls_keyfile))
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Route until `stop` is set, serving the HTTP front door alongside when configured."""
@@ -116,8 +120,20 @@ class Coordinator:
         poller.register(self.router, zmq.POLLIN)
         poller.register(self.front, zmq.POLLIN)
         t = self.cfg.timing
+        drain_until = None
         try:
-            while not stop.is_set():
+            while True:
+                if stop.is_set():
+                    if self.http is None:
+                        break
+                    if drain_until is None:
+                        # SIGTERM/SIGINT: new HTTP requests get 503 while those in flight finish, up to DRAIN_S.
+                        from coral_dagster.runtime.frontdoor import DRAIN_S
+
+                        self.http.begin_drain()
+                        drain_until = time.monotonic() + DRAIN_S
+                    if not self.http.in_flight() or time.monotonic() >= drain_until:
+                        break
                 events = dict(poller.poll(timeout=int(1000 * t.heartbeat_s / 4)))
                 now = time.monotonic()
                 for sock in (self.router, self.front):
@@ -270,8 +286,9 @@ class Coordinator:
         if not isinstance(h.get("ignore_eos", False), bool):
             raise RequestError(f"ignore_eos={h['ignore_eos']!r} is not true or false.", "send a JSON boolean")
         check_request(prompt, max_tokens, self._limits(model), model)
+        sampling = SamplingParams.from_message(h.get("sampling")).message() if h.get("sampling") else None
         r = _Request(f"req-{next(self._ids)}", sock, ident, h.get("tag"), model, prompt, max_tokens,
-                     h.get("ignore_eos", False), last_progress=now)
+                     h.get("ignore_eos", False), last_progress=now, sampling=sampling)
         self.requests[r.rid] = r
         if not self.admission.admit(model, now):
             wait_s = self.admission.retry_after_s(model, now)
@@ -297,14 +314,14 @@ class Coordinator:
             prefill, decode = self.instances[entry.key], self.instances[second.key]
             r.instances = {"prefill": prefill.name, "decode": decode.name}
             msg = {"kind": "decode", "rid": r.rid, "prompt_len": len(prompt), "max_tokens": left,
-                   "ignore_eos": r.ignore_eos}
+                   "ignore_eos": r.ignore_eos, "sampling": r.sampling}
             self._send(decode, r, msg)
             r.history.append(f"{prefill.name}->{decode.name}")
         elif entry is not None and entry.phase == "aggregated":
             aggregated = self.instances[entry.key]
             r.instances = {"aggregated": aggregated.name}
             self._send(aggregated, r, {"kind": "generate", "rid": r.rid, "tokens": prompt, "max_tokens": left,
-                                       "ignore_eos": r.ignore_eos})
+                                       "ignore_eos": r.ignore_eos, "sampling": r.sampling})
             r.history.append(aggregated.name)
         else:
             known = self._models()
@@ -327,11 +344,11 @@ class Coordinator:
                     wire.send(self.router, {"kind": "cancel", "rid": r.rid}, to=inst.ident)
         r.instances = {}
 
-    def _emit_token(self, r: _Request, token: int, now: float) -> None:
+    def _emit_token(self, r: _Request, token: int, now: float, logprobs: Any = None) -> None:
         r.out.append(token)
         r.last_progress = now
         self._event(r, {"kind": "token", "token": token, "text": self.tokenizer.decode_token(token),
-                        "index": len(r.out) - 1})
+                        "index": len(r.out) - 1, **({"logprobs": logprobs} if logprobs is not None else {})})
 
     def _finish(self, r: _Request, reason: str) -> None:
         for name in r.instances.values():
@@ -359,7 +376,7 @@ class Coordinator:
     def _token(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         r = self._owned(inst, h)
         if r is not None:
-            self._emit_token(r, int(h["token"]), now)
+            self._emit_token(r, int(h["token"]), now, h.get("logprobs"))
 
     def _done(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         r = self._owned(inst, h)
@@ -376,7 +393,7 @@ class Coordinator:
             return
         r.last_progress = now
         self._send(prefill, r, {"kind": "prefill", "rid": r.rid, "tokens": r.prompt + r.out,
-                                "handoff": h["route"], "max_tokens": 1})
+                                "handoff": h["route"], "max_tokens": 1, "sampling": r.sampling})
 
     def _prefilled(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         """The prefill instance sampled the first token and handed its KV over; the decode instance continues."""
@@ -389,7 +406,7 @@ class Coordinator:
         token = int(h["token"])
         reason = finish_reason(token, len(r.out) + 1, r.max_tokens, r.ignore_eos)
         if reason != "stop":
-            self._emit_token(r, token, now)
+            self._emit_token(r, token, now, h.get("logprobs"))
         decode = self.instances.get(r.instances.get("decode", ""))
         if reason:
             self._finish(r, reason) if decode is None else self._finish_pd_early(r, decode, reason)
@@ -420,7 +437,7 @@ class Coordinator:
             # Every token arrived and only the `done` was lost: nothing is left to redo.
             self._finish(r, "length")
             return
-        if r.attempts <= self.cfg.max_retries and self.routing.can_route(r.model, self._candidates(r.model)):
+        if r.attempts <= self.cfg.max_retries and self._routable(r.model):
             self.counts["retried"] += 1
             self._dispatch(r, now)
             return
@@ -464,12 +481,21 @@ class Coordinator:
         log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
         wire.send(sock, {"kind": "admitted", "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
 
+    def _routable(self, model: str) -> bool:
+        """Whether `_dispatch` would start a request for `model` now: an aggregated instance, or a prefill
+        instance with a decode instance to hand over to (a prefill alone cannot finish a request)."""
+        candidates = self._candidates(model)
+        return self.routing.can_route(model, candidates) and any(c.phase in ("aggregated", "decode")
+                                                                 for c in candidates)
+
     def _serving(self) -> list[str]:
         """Models a request could be dispatched for right now."""
-        return sorted(m for m in self._models() if self.routing.can_route(m, self._candidates(m)))
+        return sorted(m for m in self._models() if self._routable(m))
 
     def status(self) -> dict[str, Any]:
+        context = {m: (self._limits(m) or ModelLimits(1)).max_context for m in self._models()}
         return {"models": self._models(), "serving": self._serving(), "counts": dict(self.counts),
+                "in_flight": len(self.requests), "context": context,
                 "departed": list(self.departed), "admit": self.admit_text,
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),

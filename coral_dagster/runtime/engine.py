@@ -9,6 +9,7 @@ from typing import Literal
 import numpy as np
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
 
 EngineKind = Literal["torch", "vllm"]
 ENGINE_KINDS: tuple[EngineKind, ...] = ("torch", "vllm")
@@ -25,6 +26,8 @@ class Step:
     pos: int
     tokens: np.ndarray | None = None
     hidden: np.ndarray | None = None
+    # How the last stage picks the token (None: greedy, no log-probabilities).
+    sampling: SamplingParams | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -34,11 +37,13 @@ class Step:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A stage's result for one step: hidden states for the next stage, or the greedy token on the last stage."""
+    """A stage's result for one step: hidden states for the next stage, or the sampled token on the last stage
+    (with its log-probabilities when the step asked for them)."""
 
     rid: str
     hidden: np.ndarray | None = None
     token: int | None = None
+    logprobs: TokenLogprobs | None = None
 
 
 class Engine(ABC):

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from coral_dagster.runtime.tiny import DecoderConfig, decoder_config
-from coral_dagster.runtime.tokenizer import BOS, EOS
+from coral_dagster.runtime.tokenizer import BOS, CHAT_TEMPLATE, EOS, ByteTokenizer
 
 MODELS_ENV = "CORAL_MODELS_DIR"
 
@@ -23,6 +23,14 @@ def hf_config(cfg: DecoderConfig) -> dict:
         "max_position_embeddings": cfg.max_context, "tie_word_embeddings": False, "attention_bias": False,
         "mlp_bias": False, "bos_token_id": BOS, "eos_token_id": EOS, "torch_dtype": cfg.dtype, "dtype": cfg.dtype,
     }
+
+
+def tokenizer_config(cfg: DecoderConfig) -> dict:
+    """`tokenizer_config.json`: the byte tokenizer's specials, context and chat template (vLLM and
+    transformers read `chat_template` from here)."""
+    names = ByteTokenizer()
+    return {"chat_template": CHAT_TEMPLATE, "bos_token": f"<|{BOS}|>", "eos_token": f"<|{EOS}|>",
+            "model_max_length": cfg.max_context, "vocab_size": names.vocab, "add_bos_token": True}
 
 
 def hf_state_dict(cfg: DecoderConfig) -> dict:
@@ -52,9 +60,10 @@ def export_tiny(name: str, root: Path | None = None) -> Path:
     cfg = decoder_config(name)
     out = (root or models_dir()) / f"{cfg.name}-seed{cfg.seed}"
     config = json.dumps(hf_config(cfg), indent=2, sort_keys=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True))
     if (out / "model.safetensors").is_file() and (out / "config.json").read_text() == config:
         return out
-    out.mkdir(parents=True, exist_ok=True)
     tmp = out / "model.safetensors.tmp"
     save_file(hf_state_dict(cfg), str(tmp), metadata={"format": "pt"})
     tmp.replace(out / "model.safetensors")

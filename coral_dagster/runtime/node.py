@@ -14,6 +14,8 @@ import zmq
 from coral_dagster.runtime import wire
 from coral_dagster.runtime.config import NodeSettings
 from coral_dagster.runtime.engine import Engine, Step, StepOutput
+from coral_dagster.runtime.limits import RequestError
+from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security
 
 log = logging.getLogger(__name__)
@@ -173,13 +175,17 @@ class EngineNode:
         pos, stage, route = int(h["pos"]), int(h["stage"]), h["route"]
         if pos < 0 or not isinstance(route, list) or not 0 <= stage < len(route):
             raise ValueError(f"position {pos}, stage {stage} of a {len(route)}-stage route")
+        try:
+            sampling = SamplingParams.from_message(h.get("sampling")) if self.engine.is_last else None
+        except RequestError as exc:
+            raise ValueError(exc.problem) from None
         if self.engine.is_first:
             if array.ndim != 1 or array.dtype.kind not in "iu":
                 raise ValueError(f"the first stage takes a 1-D integer token array, got {array.dtype} {array.shape}")
-            return Step(rid, pos, tokens=array)
+            return Step(rid, pos, tokens=array, sampling=sampling)
         if array.ndim != 2 or array.shape[0] == 0:
             raise ValueError(f"hidden states must be [tokens, hidden], got {array.shape}")
-        return Step(rid, pos, hidden=array)
+        return Step(rid, pos, hidden=array, sampling=sampling)
 
     def _import_kv(self, rid: str, h: dict[str, Any], arrays: list[np.ndarray]) -> None:
         try:
@@ -229,7 +235,8 @@ class EngineNode:
             self._hand_over(step.rid, handoff)
         if out.token is not None:
             self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
-                                "pos": step.pos + step.n_tokens})
+                                "pos": step.pos + step.n_tokens,
+                                **({"logprobs": out.logprobs.message()} if out.logprobs else {})})
         else:
             self._pass_on(h, step, out.hidden)
         if handoff:
@@ -246,7 +253,7 @@ class EngineNode:
             self._error(step.rid, f"route has {len(route)} stages but stage {stage} was asked for")
             return
         header = {"kind": "forward", "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
-                  "handoff": h.get("handoff")}
+                  "handoff": h.get("handoff"), "sampling": h.get("sampling")}
         if not wire.send(self.security.push(route[stage]), header, [hidden]):
             self._error(step.rid, f"next stage at {route[stage]} is not accepting activations")
 

@@ -44,6 +44,8 @@ class _Request:
     n_out: int = 0
     last_progress: float = field(default_factory=time.monotonic)
     streamed: bool = False
+    # Sampling parameters as the coordinator sent them (`runtime/sampling.py`), passed to the last stage.
+    sampling: dict[str, Any] | None = None
 
 
 class Scheduler:
@@ -225,7 +227,7 @@ class Scheduler:
             return
         node.last_seen = now
         if kind == "token":
-            self._token(str(h["rid"]), int(h["token"]), int(h["pos"]), now)
+            self._token(str(h["rid"]), int(h["token"]), int(h["pos"]), now, h.get("logprobs"))
         elif kind == "error":
             status = h.get("status")
             self._fail(str(h["rid"]), str(h["problem"]), status if isinstance(status, int) else None)
@@ -255,7 +257,8 @@ class Scheduler:
         return route
 
     def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None) -> None:
-        header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff}
+        header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
+                  "sampling": r.sampling}
         if r.streamed:
             header["max_tokens"] = r.max_tokens
         if not wire.send(self.security.push(r.route[0]), header, [np.asarray(tokens, dtype=np.int64)]):
@@ -305,7 +308,8 @@ class Scheduler:
             return
         route = self._route()
         mode = {"generate": "aggregated"}.get(kind, kind)
-        r = _Request(rid, mode, route, 0, int(h.get("max_tokens", 1)), bool(h.get("ignore_eos")), last_progress=now)
+        r = _Request(rid, mode, route, 0, int(h.get("max_tokens", 1)), bool(h.get("ignore_eos")), last_progress=now,
+                     sampling=h.get("sampling"))
         streaming = {n.address for n in self.nodes.values() if n.streams}
         r.streamed = mode == "aggregated" and all(a in streaming for a in route)
         self.requests[rid] = r
@@ -316,19 +320,20 @@ class Scheduler:
         else:
             self._forward(r, [int(x) for x in h["tokens"]], h.get("handoff") if kind == "prefill" else None)
 
-    def _token(self, rid: str, token: int, pos: int, now: float) -> None:
+    def _token(self, rid: str, token: int, pos: int, now: float, logprobs: Any = None) -> None:
         r = self.requests.get(rid)
         if r is None:
             return
         r.last_progress, r.pos = now, pos
+        extra = {"logprobs": logprobs} if logprobs is not None else {}
         if r.mode == "prefill":
             del self.requests[rid]
-            self._to_coord({"kind": "prefilled", "rid": rid, "token": token})
+            self._to_coord({"kind": "prefilled", "rid": rid, "token": token, **extra})
             return
         r.n_out += 1
         reason = finish_reason(token, r.n_out, r.max_tokens, r.ignore_eos)
         if reason != "stop":
-            self._to_coord({"kind": "token", "rid": rid, "token": token})
+            self._to_coord({"kind": "token", "rid": rid, "token": token, **extra})
         if reason:
             del self.requests[rid]
             self._free(r)

@@ -1,8 +1,9 @@
-"""A byte-level tokenizer (one token per UTF-8 byte plus specials) and the shared stop rule."""
+"""A byte-level tokenizer (one token per UTF-8 byte plus specials), its chat template and the shared stop rule."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 BOS = 256
 EOS = 257
@@ -29,6 +30,21 @@ class ByteTokenizer:
 
     def decode(self, tokens: list[int]) -> str:
         return "".join(self.decode_token(t) for t in tokens)
+
+
+# The chat template every model served through the byte tokenizer uses (and the tiny models' exported
+# tokenizer_config.json holds): a role tag line, the content, a newline; the prompt ends with the assistant's tag.
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+def apply_chat_template(messages: list[dict[str, Any]], template: str = CHAT_TEMPLATE) -> str:
+    """The prompt text of a conversation, rendered as Hugging Face renders chat templates (sandboxed Jinja,
+    `add_generation_prompt=True`); BOS comes from `encode`, so the template does not add it."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    return env.from_string(template).render(messages=messages, add_generation_prompt=True)
 
 
 def finish_reason(token: int, n_generated: int, max_tokens: int, ignore_eos: bool) -> str | None:

@@ -11,6 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from coral_dagster.runtime.engine import Engine, Step, StepOutput, validate_layers
+from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
 from coral_dagster.runtime.tiny import DecoderConfig
 
 KV = tuple[torch.Tensor, torch.Tensor]
@@ -87,6 +88,40 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> to
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     return (probs @ values).transpose(0, 1).reshape(n, heads * d)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams | None],
+           positions: list[int]) -> list[tuple[int, TokenLogprobs | None]]:
+    """One token per row of `logits` (`[n, vocab]`, float32) under its request's parameters (None: greedy), drawn
+    for output position `positions[i]`; with its raw log-probabilities when asked."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for row, p, pos, best in zip(logits, params, positions, greedy):
+        p = p or SamplingParams()
+        token = best if p.greedy else _draw(row, p, pos)
+        lp = None
+        if p.logprobs is not None:
+            logp = torch.log_softmax(row, dim=-1)
+            values, ids = logp.topk(p.logprobs)
+            lp = TokenLogprobs(float(logp[token]), tuple(zip(map(int, ids.tolist()), map(float, values.tolist()))))
+        out.append((int(token), lp))
+    return out
+
+
+def _draw(row: torch.Tensor, p: SamplingParams, pos: int) -> int:
+    """A draw from `row / temperature` cut to the top-k tokens and then to the top-p nucleus (vLLM's order)."""
+    scaled = (row / p.temperature).cpu()
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    if p.keep_k and p.keep_k < scaled.numel():
+        keep &= scaled >= scaled.topk(p.keep_k).values[-1]
+    probs = torch.softmax(scaled.masked_fill(~keep, float("-inf")), dim=-1)
+    if p.top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        # A token stays while the mass before it is under top_p: the most likely always stays.
+        before = ordered.cumsum(0) - ordered
+        probs = torch.zeros_like(probs).scatter(0, order, ordered.masked_fill(before >= p.top_p, 0.0))
+    generator = torch.Generator().manual_seed(p.draw_seed(pos))
+    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 class TorchEngine(Engine):
@@ -182,8 +217,10 @@ class TorchEngine(Engine):
         if not self.is_last:
             return [StepOutput(s.rid, hidden=self.to_wire(x[e - n:e])) for s, n, e in zip(steps, sizes, ends)]
         last = rms_norm(x[torch.as_tensor(ends - 1, device=self.device)], self.final_norm, cfg.norm_eps)
-        tokens = F.linear(last, self.lm_head).float().argmax(dim=-1).tolist()
-        return [StepOutput(s.rid, token=int(t)) for s, t in zip(steps, tokens)]
+        logits = F.linear(last, self.lm_head).float()
+        return [StepOutput(s.rid, token=token, logprobs=lp)
+                for s, (token, lp) in zip(steps, sample(logits, [s.sampling for s in steps],
+                                                        [s.pos + s.n_tokens for s in steps]))]
 
     def _append(self, rid: str, li: int, k: torch.Tensor, v: torch.Tensor) -> KV:
         kv = self._cache[rid][li]

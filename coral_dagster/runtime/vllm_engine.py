@@ -17,6 +17,7 @@ import numpy as np
 
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import Engine, Step
+from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
 
 
 @dataclass(frozen=True)
@@ -119,12 +120,11 @@ class VllmEngine:
         self.max_context = launch.max_model_len
         self.llm = LLMEngine.from_engine_args(engine_args(launch.argv(0)))
         self._length: dict[str, int] = {}
+        # Alternatives each request asked log-probabilities of.
+        self._top: dict[str, int] = {}
 
-    def submit(self, rid: str, prompt: np.ndarray, max_tokens: int) -> None:
-        """Queue `rid` with its prompt; greedy, EOS left to the scheduler's stop rule."""
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+    def submit(self, rid: str, prompt: np.ndarray, max_tokens: int, sampling: SamplingParams | None = None) -> None:
+        """Queue `rid` with its prompt under `sampling` (greedy when None); EOS left to the scheduler's stop rule."""
         tokens = [int(t) for t in np.asarray(prompt)]
         if not tokens:
             raise ValueError(f"request {rid}: the prompt is empty")
@@ -133,23 +133,28 @@ class VllmEngine:
             # vLLM would stop at max_model_len short of max_tokens, and the scheduler wait for tokens never sent.
             raise ValueError(f"request {rid}: {len(tokens)} prompt tokens + {max_tokens=} exceed vLLM's "
                              f"max_model_len={self.max_context}")
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False,
-                                output_kind=RequestOutputKind.DELTA)
-        self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)
+        sampling = sampling or SamplingParams()
+        self.llm.add_request(rid, {"prompt_token_ids": tokens}, sampling.vllm(max_tokens))
         self._length[rid] = len(tokens)
+        self._top[rid] = sampling.logprobs or 0
 
     def has_work(self) -> bool:
         return self.llm.has_unfinished_requests()
 
-    def step(self) -> list[tuple[str, int, int]]:
-        """One engine step: (request, token, positions now known) for every token it produced, in order."""
+    def step(self) -> list[tuple[str, int, int, TokenLogprobs | None]]:
+        """One engine step: (request, token, positions now known, log-probabilities when asked) for every token
+        it produced, in order."""
         out = []
         for o in self.llm.step():
-            for token in o.outputs[0].token_ids if o.outputs else ():
+            completion = o.outputs[0] if o.outputs else None
+            for i, token in enumerate(completion.token_ids if completion else ()):
                 self._length[o.request_id] = self._length.get(o.request_id, 0) + 1
-                out.append((o.request_id, int(token), self._length[o.request_id]))
+                out.append((o.request_id, int(token), self._length[o.request_id],
+                            _logprobs(completion.logprobs[i], int(token), self._top[o.request_id])
+                            if completion.logprobs else None))
             if o.finished:
                 self._length.pop(o.request_id, None)
+                self._top.pop(o.request_id, None)
         return out
 
     def kv_cache_tokens(self) -> int:
@@ -168,8 +173,16 @@ class VllmEngine:
         return 0 if rid not in self._length else self._length[rid]
 
     def free(self, rid: str) -> None:
+        self._top.pop(rid, None)
         if self._length.pop(rid, None) is not None:
             self.llm.abort_request([rid])
+
+
+def _logprobs(position: dict, token: int, k: int) -> TokenLogprobs:
+    """vLLM's log-probabilities of one position (token id -> Logprob: the k most likely, ranks 1..k, and the
+    sampled token at its own rank) as Coral's."""
+    top = sorted((lp.rank, t, float(lp.logprob)) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
+    return TokenLogprobs(float(position[token].logprob), tuple((t, lp) for _, t, lp in top))
 
 
 def _held_layers(worker) -> list[int]:

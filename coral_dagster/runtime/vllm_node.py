@@ -22,7 +22,7 @@ class VllmNode(EngineNode):
                                       f"(got position {step.pos}, max_tokens {h.get('max_tokens')!r})")
                 continue
             try:
-                self.engine.submit(step.rid, step.tokens, h["max_tokens"])
+                self.engine.submit(step.rid, step.tokens, h["max_tokens"], step.sampling)
             except (TypeError, ValueError) as exc:
                 # vLLM's own checks (token ids, prompt and max_tokens against max_model_len) fault the request
                 # itself: a 4xx, not retried on another instance.
@@ -39,7 +39,8 @@ class VllmNode(EngineNode):
                 self._error(rid, f"vLLM step failed: {exc}")
             return False
         now = time.monotonic()
-        for rid, token, pos in produced:
+        for rid, token, pos, logprobs in produced:
             self._touched[rid] = now
-            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos})
+            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos,
+                                **({"logprobs": logprobs.message()} if logprobs else {})})
         return self.engine.has_work()

@@ -1,0 +1,387 @@
+"""The OpenAI API's request bodies (`/v1/completions`, `/v1/chat/completions`) read into one request, and the
+response objects and stream chunks built from what each choice generated, in the shapes vLLM's server answers.
+
+Every field is either honoured or refused with a 400 naming it (`param`); none is silently ignored. Fields
+that change nothing at their default (penalties 0, `logit_bias` empty, `best_of` equal to `n`, no `suffix`) are
+accepted at that default only.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from coral_dagster.runtime.limits import RequestError, is_int, max_tokens_of
+from coral_dagster.runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
+from coral_dagster.runtime.tokenizer import ByteTokenizer, apply_chat_template
+
+# Choices one request may ask for (prompts × n), and stop strings and stop token ids per request.
+MAX_CHOICES = 64
+MAX_STOP = 16
+# Completions' default `max_tokens` (OpenAI's); chat's default is what the model's context leaves.
+DEFAULT_MAX_TOKENS = 16
+
+# OpenAI's error `type` for each status the front door answers with.
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+               413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable"}
+
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "stream",
+           "stream_options", "ignore_eos", "user"}
+FIELDS = {"completion": _COMMON | {"prompt", "logprobs", "echo"},
+          "chat": _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
+# Fields accepted only where they change nothing: at these values (`best_of` also when it equals `n`).
+NO_OP = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+         "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "parallel_tool_calls": (False,),
+         "tools": ([],)}
+ROLES = ("system", "developer", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = (),
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.headers, self.param = status, message, headers, param
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": ERROR_TYPES.get(self.status, "invalid_request_error"),
+                          "param": self.param, "code": self.status}}
+
+
+def error_event(e: dict[str, Any]) -> ApiError:
+    """The HTTP error for a coordinator `error` event; `type: rate_limited` becomes 429 with Retry-After."""
+    message = f"{e.get('problem')} Fix: {e.get('fix')}"
+    if e.get("type") == "rate_limited":
+        retry = max(1, round(float(e.get("retry_after_s", 1))))
+        return ApiError(429, message, ((b"retry-after", str(retry).encode()),))
+    status = e.get("status")
+    return ApiError(status if is_int(status) and 400 <= status < 600 else 500, message)
+
+
+def _bad(param: str, message: str) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One completions or chat request as the front door runs it: each prompt (text or token ids) is generated
+    `n` times, choice `i * n + j` with seed `seed + j`."""
+
+    kind: str
+    model: str
+    prompts: tuple[str | tuple[int, ...], ...]
+    max_tokens: int | None
+    sampling: SamplingParams
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    ignore_eos: bool = False
+
+    def prompt_tokens(self, i: int) -> int:
+        prompt = self.prompts[i]
+        return len(prompt) if isinstance(prompt, tuple) else len(ByteTokenizer().encode(prompt))
+
+    def submissions(self) -> list[dict[str, Any]]:
+        """The coordinator `submit` headers, one per choice in choice order."""
+        out = []
+        for prompt in self.prompts:
+            text = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_tokens": list(prompt)}
+            for j in range(self.n):
+                sampling = SamplingParams(**{**self.sampling.message(), "seed": (self.sampling.seed + j) % (1 << 63)})
+                out.append({"kind": "submit", "model": self.model, "max_tokens": self.max_tokens,
+                            "ignore_eos": self.ignore_eos, "sampling": sampling.message(), **text})
+        return out
+
+
+def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise _bad(name, f"{name}={value!r} must be a number in [{low:g}, {high:g}]")
+    return float(value)
+
+
+def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not is_int(value) or not low <= value <= high:
+        raise _bad(name, f"{name}={value!r} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _bool(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(name, f"{name}={value!r} must be true or false")
+    return value
+
+
+def _check_fields(body: dict[str, Any], kind: str) -> None:
+    for name, value in body.items():
+        if name in FIELDS[kind]:
+            continue
+        if name in NO_OP:
+            if value is None or value in NO_OP[name] or (name == "best_of" and value == body.get("n", 1)):
+                continue
+            raise _bad(name, f"{name}={value!r} is not supported; leave it out (Coral serves "
+                             f"{', '.join(sorted(FIELDS[kind]))})")
+        raise _bad(name, f"unknown or unsupported field {name!r} for {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}; "
+                         f"supported: {', '.join(sorted(FIELDS[kind]))}")
+
+
+def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return [tuple(prompt)]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and p and all(is_int(t) for t in p)) for p in prompt):
+        return [p if isinstance(p, str) else tuple(p) for p in prompt]
+    raise _bad("prompt", "prompt must be a string, a list of strings, a list of token ids, or a list of those")
+
+
+def _content(message: Any, i: int) -> dict[str, str]:
+    """One chat message as the template reads it: a role and text (text parts joined)."""
+    if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
+        raise _bad("messages", f"messages[{i}] must be an object with role and content (and optionally name)")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise _bad("messages", f"messages[{i}].role={role!r}: use one of {', '.join(ROLES)}")
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise _bad("messages", f"messages[{i}].content: only text parts ({{\"type\": \"text\", \"text\": …}}) "
+                                   "are supported")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad("messages", f"messages[{i}].content must be a string or a list of text parts")
+    return {"role": role, "content": content}
+
+
+def _stop(body: dict[str, Any]) -> tuple[tuple[str, ...], frozenset[int]]:
+    stop = body.get("stop")
+    strings = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(strings, list) or len(strings) > MAX_STOP or not all(isinstance(s, str) and s for s in strings):
+        raise _bad("stop", f"stop must be a non-empty string or a list of at most {MAX_STOP} of them")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or len(ids) > MAX_STOP or not all(is_int(t) and t >= 0 for t in ids):
+        raise _bad("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP} token ids")
+    return tuple(strings), frozenset(ids)
+
+
+def parse_request(body: Any, kind: str, models: list[str], context: dict[str, int | None]) -> ApiRequest:
+    """Read a `/v1/completions` (`kind="completion"`) or `/v1/chat/completions` (`"chat"`) body, refusing every
+    field it cannot honour. Token ids, vocabulary and context are the coordinator's to check."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    _check_fields(body, kind)
+    model = body.get("model") or (models[0] if len(models) == 1 else None)
+    if not isinstance(model, str):
+        raise _bad("model", f"name the model; served: {', '.join(models) or 'none yet'}")
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
+        prompts: list[str | tuple[int, ...]] = [apply_chat_template([_content(m, i) for i, m in enumerate(messages)])]
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+            raise _bad("max_completion_tokens", "send max_completion_tokens or max_tokens, not both")
+        if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
+            raise _bad("top_logprobs", "top_logprobs needs logprobs: true")
+        logprobs = _int(body, "top_logprobs", 0, 0, MAX_LOGPROBS) if _bool(body, "logprobs") else None
+        limit_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    else:
+        prompts = _prompts(body)
+        logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
+        limit_name = "max_tokens"
+        if _bool(body, "echo") and logprobs is not None:
+            raise _bad("echo", "echo with logprobs needs the prompt's log-probabilities, which Coral does not "
+                               "compute; send one of them")
+    n = _int(body, "n", 1, 1, MAX_CHOICES)
+    if n * len(prompts) > MAX_CHOICES:
+        raise _bad("n", f"{len(prompts)} prompts × n={n} choices exceed {MAX_CHOICES}; send several requests")
+    limit = body.get(limit_name)
+    try:
+        max_tokens = max_tokens_of(limit) if limit is not None else None
+    except RequestError as exc:
+        raise _bad(limit_name, str(exc)) from None
+    if max_tokens is None:
+        room = context.get(model)
+        max_tokens = DEFAULT_MAX_TOKENS if kind == "completion" or room is None else None
+        if max_tokens is None:
+            max_tokens = max(1, room - max(len(ByteTokenizer().encode(p)) if isinstance(p, str) else len(p)
+                                           for p in prompts))
+    stream = _bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None:
+        if not stream:
+            raise _bad("stream_options", "stream_options needs stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} \
+                or options.get("continuous_usage_stats"):
+            raise _bad("stream_options", "stream_options supports include_usage only")
+    include_usage = bool(options and _bool(options, "include_usage"))
+    temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
+    seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    try:
+        sampling = SamplingParams(temperature=temperature, top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
+                                  top_k=_int(body, "top_k", 0, -1, 1 << 31),
+                                  seed=(secrets.randbits(63) if seed is None else seed % (1 << 63)),
+                                  logprobs=logprobs)
+    except RequestError as exc:
+        raise ApiError(400, str(exc)) from None
+    stop, stop_ids = _stop(body)
+    return ApiRequest(kind, model, tuple(prompts), max_tokens, sampling, n, stop, stop_ids, stream, include_usage,
+                      kind == "completion" and _bool(body, "echo"), _bool(body, "ignore_eos"))
+
+
+@dataclass
+class Piece:
+    """Output a choice releases at once: text, the tokens it came from, their log-probabilities."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+
+
+class Choice:
+    """One choice's output as it streams in: stop strings end it (the text cut before the stop string, as vLLM
+    does), stop token ids end it (the token left out, like EOS), and text that may yet begin a stop string is held
+    back until it cannot."""
+
+    def __init__(self, index: int, stop: tuple[str, ...], stop_ids: frozenset[int], prompt_tokens: int) -> None:
+        self.index, self.stop, self.stop_ids, self.prompt_tokens = index, stop, stop_ids, prompt_tokens
+        self.text = ""
+        self.spans: list[tuple[int, int, int, TokenLogprobs | None]] = []  # token, text start, end, logprobs
+        self.released = self.released_tokens = self.generated = 0
+        self.finish: str | None = None
+        self.out = Piece()
+
+    def add(self, token: int, text: str, logprobs: TokenLogprobs | None) -> Piece:
+        """Take one generated token; what can be released now (`finish` is set once a stop ended the choice)."""
+        self.generated += 1
+        if token in self.stop_ids:
+            self.finish = "stop"
+            return self._release(len(self.text))
+        self.spans.append((token, len(self.text), len(self.text) + len(text), logprobs))
+        self.text += text
+        hold = max((len(s) for s in self.stop), default=1) - 1
+        hits = [i for i in (self.text.find(s, max(0, self.released - len(s) + 1)) for s in self.stop) if i >= 0]
+        if hits:
+            self.finish = "stop"
+            self.text = self.text[:min(hits)]
+            return self._release(len(self.text))
+        return self._release(len(self.text) - hold)
+
+    def done(self, reason: str) -> Piece:
+        """The engine finished the choice: release the rest."""
+        self.finish = self.finish or reason
+        return self._release(len(self.text))
+
+    def _release(self, upto: int) -> Piece:
+        upto = max(upto, self.released)
+        piece = Piece(self.text[self.released:upto])
+        while self.released_tokens < len(self.spans) and self.spans[self.released_tokens][2] <= upto:
+            token, _, _, lp = self.spans[self.released_tokens]
+            piece.tokens.append(token)
+            piece.logprobs.append(lp)
+            self.released_tokens += 1
+        self.released = upto
+        self.out.text += piece.text
+        self.out.tokens += piece.tokens
+        self.out.logprobs += piece.logprobs
+        return piece
+
+
+def _token_text(token: int) -> str:
+    return ByteTokenizer().decode_token(token)
+
+
+def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object of `piece`, text offsets from `offset`."""
+    if not piece.logprobs or piece.logprobs[0] is None:
+        return None
+    texts = [_token_text(t) for t in piece.tokens]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in piece.logprobs],
+            "top_logprobs": [{_token_text(t): v for t, v in lp.top} for lp in piece.logprobs],
+            "text_offset": offsets}
+
+
+def _entry(token: int, logprob: float) -> dict[str, Any]:
+    text = _token_text(token)
+    return {"token": text, "logprob": logprob,
+            "bytes": [token] if token < 256 else list(text.encode())}
+
+
+def chat_logprobs(piece: Piece) -> dict[str, Any] | None:
+    """The chat `logprobs` object of `piece` (`{"content": [...]}`)."""
+    if not piece.logprobs or piece.logprobs[0] is None:
+        return None
+    return {"content": [{**_entry(t, lp.logprob), "top_logprobs": [_entry(a, v) for a, v in lp.top]}
+                        for t, lp in zip(piece.tokens, piece.logprobs)]}
+
+
+def usage(choices: list[Choice], req: ApiRequest) -> dict[str, int]:
+    """Prompt tokens once per prompt (as OpenAI counts them with n > 1) and every generated token."""
+    prompt = sum(req.prompt_tokens(i) for i in range(len(req.prompts)))
+    completion = sum(c.generated for c in choices)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def prompt_text(req: ApiRequest, index: int) -> str:
+    prompt = req.prompts[index // req.n]
+    return prompt if isinstance(prompt, str) else ByteTokenizer().decode(list(prompt))
+
+
+def response(req: ApiRequest, meta: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
+    """The whole (non-streamed) response object."""
+    out = []
+    for c in choices:
+        if req.kind == "chat":
+            out.append({"index": c.index, "message": {"role": "assistant", "content": c.out.text},
+                        "logprobs": chat_logprobs(c.out), "finish_reason": c.finish})
+        else:
+            echo = prompt_text(req, c.index) if req.echo else ""
+            out.append({"index": c.index, "text": echo + c.out.text, "logprobs": completion_logprobs(c.out, 0),
+                        "finish_reason": c.finish, "token_ids": c.out.tokens})
+    return {**meta, "choices": out, "usage": usage(choices, req)}
+
+
+def chunk(req: ApiRequest, meta: dict[str, Any], c: Choice, piece: Piece | None, finish: str | None,
+          first: bool = False) -> dict[str, Any]:
+    """One stream chunk of choice `c`: its released `piece` (chat's first chunk names the role), or its finish."""
+    piece = piece or Piece()
+    if req.kind == "chat":
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
+            {"content": piece.text} if piece.text else {})
+        body = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(piece), "finish_reason": finish}
+    else:
+        offset = len(c.out.text) - len(piece.text)
+        text = (prompt_text(req, c.index) if first and req.echo else "") + piece.text
+        body = {"index": c.index, "text": text, "logprobs": completion_logprobs(piece, offset),
+                "finish_reason": finish, **({"token_ids": piece.tokens} if piece.tokens else {})}
+    return {**meta, "choices": [body]}
+
+
+def response_meta(req: ApiRequest, rid: str, created: int, stream: bool) -> dict[str, Any]:
+    """The id, object, created and model every response or chunk of a request carries."""
+    obj = {"chat": "chat.completion", "completion": "text_completion"}[req.kind]
+    prefix = "chatcmpl" if req.kind == "chat" else "cmpl"
+    return {"id": f"{prefix}-{rid}", "object": f"{obj}.chunk" if stream and req.kind == "chat" else obj,
+            "created": created, "model": req.model}

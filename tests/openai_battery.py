@@ -1,0 +1,86 @@
+"""One battery of OpenAI API calls (official client) whose observable behaviour must be the same whichever engine
+serves: the torch engine, vLLM's, and the single-process reference (`expected`)."""
+
+from __future__ import annotations
+
+import openai
+
+from coral_dagster.runtime.generate import generate
+from coral_dagster.runtime.sampling import SamplingParams
+from coral_dagster.runtime.tokenizer import ByteTokenizer, apply_chat_template
+
+MODEL = "tiny-llama"
+PROMPTS = ("Hello, Coral", "mixed GPUs, one pipeline")
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Which reef?"}]
+N_TOKENS = 12
+
+
+def observe(base_url: str, api_key: str) -> dict:
+    """What a client sees: texts, finish reasons, usage, logprobs, stop handling, refusals and seeded repeats."""
+    c = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=300)
+    greedy = dict(max_tokens=N_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    out: dict = {}
+    done = c.completions.create(model=MODEL, prompt=list(PROMPTS), **greedy)
+    out["completions"] = [(ch.text, ch.finish_reason) for ch in done.choices]
+    out["usage"] = (done.usage.prompt_tokens, done.usage.completion_tokens)
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPTS[0], stream=True,
+                                       stream_options={"include_usage": True}, **greedy))
+    out["streamed"] = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    out["usage_chunk"] = chunks[-1].usage.completion_tokens if not chunks[-1].choices else None
+    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, **greedy)
+    out["chat"] = (chat.choices[0].message.content, chat.choices[0].finish_reason, chat.usage.prompt_tokens)
+    streamed_chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True, **greedy)
+    out["chat_streamed"] = "".join(ch.choices[0].delta.content or "" for ch in streamed_chat if ch.choices)
+    stop = out["completions"][0][0][4:6]
+    cut = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], **greedy).choices[0]
+    out["stop"] = (cut.text, cut.finish_reason)
+    out["echo"] = c.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **greedy).choices[0].text
+    two = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, **greedy)
+    out["n"] = [ch.text for ch in two.choices]
+    lp = c.completions.create(model=MODEL, prompt=PROMPTS[0], logprobs=2, **greedy).choices[0].logprobs
+    out["logprobs"] = [(t, v, sorted(top.items(), key=lambda kv: -kv[1])) for t, v, top in
+                       zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)]
+    seeded = [c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0.8, seed=11,
+                                   extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
+    out["seeded_repeats"] = seeded[0] == seeded[1]
+    try:
+        c.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"no_such_field": 1})
+        out["refused"] = None
+    except openai.BadRequestError as exc:
+        out["refused"] = (exc.status_code, exc.body["param"])
+    return out
+
+
+def expected() -> dict:
+    """The battery's answers from the single-process engine and closed forms."""
+    ref = [generate(MODEL, p, N_TOKENS, ignore_eos=True) for p in PROMPTS]
+    chat_prompt = apply_chat_template(MESSAGES)
+    chat = generate(MODEL, chat_prompt, N_TOKENS, ignore_eos=True)
+    stop = ref[0].text[4:6]
+    with_lp = generate(MODEL, PROMPTS[0], N_TOKENS, ignore_eos=True, sampling=SamplingParams(logprobs=2))
+    decode = ByteTokenizer().decode_token
+    return {
+        "completions": [(r.text, "length") for r in ref],
+        "usage": (sum(r.prompt_tokens for r in ref), N_TOKENS * len(PROMPTS)),
+        "streamed": ref[0].text, "usage_chunk": N_TOKENS,
+        "chat": (chat.text, "length", chat.prompt_tokens), "chat_streamed": chat.text,
+        "stop": (ref[0].text[:ref[0].text.index(stop)], "stop"),
+        "echo": PROMPTS[0] + ref[0].text,
+        "n": [ref[0].text] * 2,
+        "logprobs": [(decode(t), lp.logprob, [(decode(a), v) for a, v in lp.top])
+                     for t, lp in zip(with_lp.tokens, with_lp.logprobs)],
+        "seeded_repeats": True,
+        "refused": (400, "no_such_field"),
+    }
+
+
+def assert_same(got: dict, want: dict, tolerance: float = 1e-4) -> None:
+    """Equal, log-probabilities within `tolerance` (two engines' float32 kernels differ in the last bits)."""
+    assert set(got) == set(want)
+    for key in want:
+        if key != "logprobs":
+            assert got[key] == want[key], key
+    for (t, v, top), (t2, v2, top2) in zip(got["logprobs"], want["logprobs"], strict=True):
+        assert t == t2 and abs(v - v2) <= tolerance
+        assert [a for a, _ in top] == [a for a, _ in top2]
+        assert all(abs(x - y) <= tolerance for (_, x), (_, y) in zip(top, top2))
