@@ -99,10 +99,20 @@ class Security:
                              f"set {ENV_SECRET_KEY} (from `coral serve keys`) on every process of the deployment, "
                              "or pass --insecure on a trusted network")
 
-    def bind(self, sock: zmq.Socket, endpoint: str, max_bytes: int = MAX_CONTROL_BYTES) -> str:
-        """Bind as a CURVE server admitting only the deployment's keys, refusing messages over `max_bytes` before
-        they are read; returns the bound endpoint."""
+    def bind(self, sock: zmq.Socket, endpoint: str, max_bytes: int = MAX_CONTROL_BYTES, router: bool = False) -> str:
+        """Bind as a CURVE server admitting only the deployment's keys, refusing frames over `max_bytes` before
+        they are read; returns the bound endpoint.
+
+        A `router` keeps each routing id with the connection that first used it (a newer connection cannot take a
+        live peer's id over), says when a peer is gone (a send to it fails instead of vanishing), and drops a
+        connection whose peer stops answering ZMTP pings (a host that died without closing its sockets).
+        """
         self._check(endpoint, "listen on")
+        if router:
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self.keys is not None and endpoint.startswith("tcp://"):
             if self._auth is None:
                 self._auth = ThreadAuthenticator(self.ctx)
