@@ -7,6 +7,8 @@ import math
 import multiprocessing
 import os
 import secrets
+import select
+import signal
 import socket
 import tempfile
 import threading
@@ -104,6 +106,9 @@ class LocalDeployment:
     vllm_launch: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    # A pidfd per role: whether it runs is read from the kernel, not from multiprocessing, which reads every child
+    # of a dead fork server as exited (status 255).
+    pidfds: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.http_port = self.http_port or free_port(self.host)
@@ -143,7 +148,21 @@ class LocalDeployment:
                            daemon=not own_children)
         proc.start()
         self.procs[name] = proc
+        if name in self.pidfds:
+            os.close(self.pidfds[name])
+        self.pidfds[name] = os.pidfd_open(proc.pid)
         self._roles[name] = (target, kwargs, own_children)
+
+    def exitcode(self, name: str, wait_s: float = 0.0) -> int | None:
+        """Role `name`'s exit status once its process has ended (waiting up to `wait_s`), else None."""
+        fd = self.pidfds.get(name)
+        if fd is not None and not select.select([fd], [], [], wait_s)[0]:
+            return None
+        proc = self.procs[name]
+        if proc.exitcode is None:
+            # Its status travels through the fork server, a moment after the kernel says it ended.
+            proc.join(1.0)
+        return proc.exitcode if proc.exitcode is not None else 255
 
     def start(self) -> None:
         """Launch the coordinator, then each instance's scheduler and engine nodes, and supervise them."""
@@ -182,7 +201,7 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout_s
         with self.client(timeout_s=2.0) as c:
             while True:
-                dead = {n: p.exitcode for n, p in self.procs.items() if p.exitcode is not None}
+                dead = {n: code for n in self.procs if (code := self.exitcode(n)) is not None}
                 if dead:
                     raise CoralError(f"processes exited during start-up: {dead}; logs in {self.log_dir}.",
                                      "read those logs; the first error names the fix")
@@ -209,17 +228,18 @@ class LocalDeployment:
         while not self._stopping.wait(poll_s):
             now = time.monotonic()
             for name, proc in list(self.procs.items()):
-                if proc.exitcode is None:
+                code = self.exitcode(name)
+                if code is None:
                     continue
                 if proc.pid not in swept:
                     swept.add(proc.pid)
                     groups.kill_group(proc.pid)
-                if name == "coordinator" or proc.exitcode == 0 or not (self.restart and self._ready.is_set()):
+                if name == "coordinator" or code == 0 or not (self.restart and self._ready.is_set()):
                     continue
                 if name not in due:
                     n = self.restarts.get(name, 0)
                     due[name] = now + groups.restart_delay_s(n, self.backoff_s, self.max_backoff_s)
-                    log.warning("%s exited with %s; restarting in %.1f s", name, proc.exitcode, due[name] - now)
+                    log.warning("%s exited with %s; restarting in %.1f s", name, code, due[name] - now)
                 elif now >= due[name]:
                     del due[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -232,29 +252,39 @@ class LocalDeployment:
                 "instances": [{"instance": i.name, "phase": i.phase, "split": list(i.split)} for i in self.instances]}
 
     def alive(self, name: str) -> bool:
-        return self.procs[name].is_alive()
+        return self.exitcode(name) is None
+
+    def _signal(self, name: str, signum: int) -> None:
+        try:
+            os.kill(self.procs[name].pid, signum)
+        except ProcessLookupError:
+            pass
 
     def kill(self, name: str) -> None:
         """SIGKILL one process and its group, as a machine failure would."""
-        self.procs[name].kill()
+        self._signal(name, signal.SIGKILL)
         groups.kill_group(self.procs[name].pid)
-        self.procs[name].join(timeout=10)
+        self.exitcode(name, wait_s=10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`, with its group."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
+        if not self.pidfds:
+            return
+        for name in self.procs:
+            if self.alive(name):
+                self._signal(name, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
+        for name, p in self.procs.items():
+            if self.exitcode(name, wait_s=max(0.1, deadline - time.monotonic())) is None:
+                self._signal(name, signal.SIGKILL)
             groups.kill_group(p.pid)
             p.join(timeout=5)
+        for fd in self.pidfds.values():
+            os.close(fd)
+        self.pidfds.clear()
 
     def __enter__(self) -> LocalDeployment:
         try:
