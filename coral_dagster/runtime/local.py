@@ -22,7 +22,7 @@ from coral_dagster.errors import CoralError
 from coral_dagster.runtime import groups, roles
 from coral_dagster.runtime.client import Client
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing, stage_ranges
-from coral_dagster.runtime.security import CurveKeys
+from coral_dagster.runtime.security import CurveKeys, tcp_endpoint, write_secret
 
 log = logging.getLogger(__name__)
 
@@ -42,10 +42,18 @@ class InstanceLayout:
         return self.nodes_per_stage or (1,) * len(self.split)
 
 
+# Instances (and engine nodes per stage) one machine is asked to run: far above what fits, far below a fork bomb.
+MAX_LOCAL_INSTANCES = 64
+
+
 def local_instances(split: tuple[int, ...], instances: int, pd: bool = False,
                     decode_split: tuple[int, ...] | None = None,
                     nodes_per_stage: tuple[int, ...] = ()) -> list[InstanceLayout]:
     """`instances` aggregated instances, or with `pd` ceil(n/2) prefill and floor(n/2) decode instances."""
+    if instances > MAX_LOCAL_INSTANCES or sum(nodes_per_stage) > MAX_LOCAL_INSTANCES:
+        raise CoralError(f"--instances {instances} with --stage-nodes {nodes_per_stage or 'one each'} would start more "
+                         f"than {MAX_LOCAL_INSTANCES} of anything on one machine.",
+                         f"pass at most {MAX_LOCAL_INSTANCES} instances and nodes per stage")
     if instances < (2 if pd else 1):
         raise CoralError(f"--instances {instances} is too few{' for PD (one prefill and one decode)' if pd else ''}.",
                          f"pass --instances {2 if pd else 1} or more")
@@ -63,9 +71,13 @@ def local_instances(split: tuple[int, ...], instances: int, pd: bool = False,
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise CoralError(f"cannot listen on host {host!r} ({exc.strerror or exc}).",
+                         "pass an address of this machine, e.g. --host 127.0.0.1 or --host ::1") from None
 
 
 # Children fork from a server that imported torch once, instead of each paying seconds of imports.
@@ -118,9 +130,7 @@ class LocalDeployment:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="coral-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.api_key_file = self.log_dir / "api_key"
-        fd = os.open(self.api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.api_key + "\n")
+        write_secret(self.api_key_file, self.api_key + "\n")
         self._roles: dict[str, tuple[Callable[..., None], dict[str, Any], bool]] = {}
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -128,11 +138,11 @@ class LocalDeployment:
 
     @property
     def coordinator(self) -> str:
-        return f"tcp://{self.host}:{self.zmq_port}"
+        return tcp_endpoint(self.host, self.zmq_port)
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://[{self.host}]:{self.http_port}" if ":" in self.host else f"http://{self.host}:{self.http_port}"
 
     def spawn(self, name: str, target: Callable[..., None], kwargs: dict[str, Any],
               own_children: bool = False) -> None:
@@ -172,7 +182,7 @@ class LocalDeployment:
             max_retries=self.max_retries, api_key=self.api_key, timing=t)})
         n_layers = roles.model_layers(self.model)
         for inst in self.instances:
-            listen = f"tcp://{self.host}:{free_port(self.host)}"
+            listen = tcp_endpoint(self.host, free_port(self.host))
             self.spawn(f"{inst.name}.scheduler", roles.run_scheduler, {"cfg": SchedulerConfig(
                 instance=inst.name, model=self.model, phase=inst.phase, split=(n_layers,) if vllm else inst.split,
                 n_layers=n_layers, coordinator=self.coordinator, listen=listen, tokens_per_s=inst.tokens_per_s,
@@ -180,7 +190,7 @@ class LocalDeployment:
             if vllm:
                 node = f"{inst.name}.vllm"
                 settings = NodeSettings(node=node, model=self.model, start=0, end=n_layers, n_layers=n_layers,
-                                        stage=0, scheduler=listen, listen=f"tcp://{self.host}:*", engine="vllm",
+                                        stage=0, scheduler=listen, listen=tcp_endpoint(self.host, "*"), engine="vllm",
                                         split=inst.split, tp=self.vllm_launch.get("tp", 1), timing=t)
                 launch = {"master_addr": self.host, "master_port": free_port(self.host), **self.vllm_launch}
                 self.spawn(node, roles.run_engine, {"settings": settings, "launch": launch}, own_children=True)
@@ -190,7 +200,7 @@ class LocalDeployment:
                     node = f"{inst.name}.s{stage}.n{k}"
                     self.spawn(node, roles.run_engine, {"settings": NodeSettings(
                         node=node, model=self.model, start=start, end=end, n_layers=n_layers, stage=stage,
-                        scheduler=listen, listen=f"tcp://{self.host}:*", timing=t)})
+                        scheduler=listen, listen=tcp_endpoint(self.host, "*"), timing=t)})
         self.supervise()
 
     def client(self, timeout_s: float = 60.0) -> Client:
