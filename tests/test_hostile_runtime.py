@@ -175,20 +175,25 @@ def test_a_request_that_never_progresses_ends_by_its_deadline():
     assert bad["kind"] == "error" and bad["status"] == 400 and "timeout_s" in bad["problem"]
 
 
-@pytest.mark.parametrize("header", [
-    {"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": "nan"},
-    {"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": 1, "stages": 5},
-    {"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": 1, "limits": "big"},
-    {"kind": "submit", "tag": "s", "model": ["m"], "prompt": "x"},
-    {"kind": "submit", "tag": "s", "model": "m", "prompt_tokens": [1, -2]},
-    {"kind": "submit", "tag": "s", "model": "m", "prompt": "x", "max_tokens": 1e9},
-    {"kind": "cancel"},
-    {"kind": "no-such-kind"},
+@pytest.mark.parametrize("header, reply", [
+    ({"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": "nan"}, "refused"),
+    ({"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": 1, "stages": 5},
+     "refused"),
+    ({"kind": "register", "instance": "x", "model": "m", "phase": "aggregated", "tokens_per_s": 1, "limits": "big"},
+     "refused"),
+    ({"kind": "register", "instance": ["x"], "model": "m", "phase": "aggregated", "tokens_per_s": 1}, "refused"),
+    ({"kind": "submit", "tag": "s", "model": ["m"], "prompt": "x"}, "error"),
+    ({"kind": "submit", "tag": "s", "model": "m", "prompt_tokens": [1, -2]}, "error"),
+    ({"kind": "submit", "tag": "s", "model": "m", "prompt": "x", "max_tokens": 1e9}, "error"),
+    ({"kind": "cancel"}, "error"),
+    ({"kind": "no-such-kind"}, "error"),
+    ({"kind": "token", "instance": "i0", "rid": "r", "token": 1}, "reregister"),
 ])
-def test_malformed_messages_fail_alone(ready, header):
+def test_malformed_messages_fail_alone_with_a_reason(ready, header, reply):
     peer = ready.insider()
     wire.send(peer, header, block=True)
     replies = _heard(peer, 0.5)
-    assert all(h["kind"] in ("error", "refused", "reregister") for h in replies)
+    assert [h["kind"] for h in replies] == [reply]
+    assert replies[0].get("problem", "x") and (reply != "error" or replies[0]["status"] == 400)
     assert [i["instance"] for i in ready.client.status()["instances"]] == ["i0"]
     assert ready.client.complete("m", ["x"], max_tokens=1)[0]["kind"] == "done"

@@ -14,6 +14,7 @@ from typing import Any
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import MESSAGES, Kind, Link, check
 from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_admit
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
@@ -164,38 +165,42 @@ class Coordinator:
 
     def _reply_error(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], problem: str, fix: str,
                      status: int) -> None:
-        if h.get("kind") in self._CLIENT_KINDS or sock is self.front:
-            if h.get("kind") == "submit":
+        """Answer a client's (or an unknown peer's) failed message, and a registration that cannot be taken; other
+        scheduler messages get no answers."""
+        if h.get("kind") == Kind.REGISTER and sock is self.router:
+            wire.send(sock, {"kind": Kind.REFUSED, "problem": problem}, to=ident)
+        elif h.get("kind") not in MESSAGES[Link.SCHEDULER_TO_COORDINATOR] or sock is self.front:
+            if h.get("kind") == Kind.SUBMIT:
                 self.counts["failed"] += 1
-            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "problem": problem, "fix": fix, "status": status},
-                      to=ident)
+            wire.send(sock, {"kind": Kind.ERROR, "tag": h.get("tag"), "problem": problem, "fix": fix,
+                             "status": status}, to=ident)
 
-    _CLIENT_KINDS = ("submit", "cancel", "drain", "admit", "status")
+    # The handler of each kind the coordinator receives, by link; REGISTER comes before an instance exists.
+    CLIENT_HANDLERS = {Kind.SUBMIT: "_submit", Kind.CANCEL: "_cancel", Kind.DRAIN: "_drain_request",
+                       Kind.ADMIT: "_admit", Kind.STATUS: "_status"}
+    SCHEDULER_HANDLERS = {Kind.REGISTER: "_register", Kind.HEARTBEAT: "_heartbeat", Kind.HEALTH: "_health",
+                          Kind.TOKEN: "_token", Kind.DONE: "_done", Kind.PREFILLED: "_prefilled",
+                          Kind.KV_ROUTE: "_kv_route", Kind.ERROR: "_attempt_failed", Kind.DRAINING: "_draining",
+                          Kind.LEFT: "_left"}
 
     def _handle(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        client = {"submit": self._submit, "cancel": self._cancel, "drain": self._drain_request,
-                  "admit": self._admit, "status": self._status}
-        if kind in client:
-            client[kind](sock, ident, h, now)
+        links = (Link.CLIENT_TO_COORDINATOR, Link.SCHEDULER_TO_COORDINATOR) if sock is self.router \
+            else (Link.CLIENT_TO_COORDINATOR,)
+        link, kind = check(links, h)
+        if link is Link.CLIENT_TO_COORDINATOR:
+            getattr(self, self.CLIENT_HANDLERS[kind])(sock, ident, h, now)
             return
-        if sock is not self.router:
-            return
-        name = str(h.get("instance"))
-        if kind == "register":
+        name = h["instance"]
+        if kind is Kind.REGISTER:
             self._register(ident, name, h, now)
             return
         inst = self.instances.get(name)
         if inst is None or inst.ident != ident:
             # Only the connection that registered an instance speaks for it.
-            wire.send(self.router, {"kind": "reregister"}, to=ident)
+            wire.send(self.router, {"kind": Kind.REREGISTER}, to=ident)
             return
         inst.last_seen = now
-        scheduler = {"heartbeat": self._heartbeat, "health": self._health, "token": self._token, "done": self._done,
-                     "prefilled": self._prefilled, "kv_route": self._kv_route, "error": self._attempt_failed,
-                     "draining": self._draining, "left": self._left}
-        if kind in scheduler:
-            scheduler[kind](inst, h, now)
+        getattr(self, self.SCHEDULER_HANDLERS[kind])(inst, h, now)
 
     # Instances
 

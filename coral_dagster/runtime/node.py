@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import Kind, Link, ProtocolError, check
 from coral_dagster.runtime.config import NodeSettings
 from coral_dagster.runtime.engine import Engine, Step, StepOutput
 from coral_dagster.runtime.security import CurveKeys, Security
@@ -127,24 +128,31 @@ class EngineNode:
         finally:
             self.close()
 
+    # What each kind the scheduler sends does (PING only proves the scheduler is there).
+    CONTROL_KINDS = frozenset({Kind.WELCOME, Kind.REHELLO, Kind.REJECT, Kind.FREE, Kind.STOP, Kind.PING})
+
     def _drain_control(self) -> str | None:
         for _, h, _ in wire.drain(self.ctl):
-            kind = h["kind"]
-            if kind == "welcome":
+            try:
+                _, kind = check(Link.SCHEDULER_TO_NODE, h)
+            except ProtocolError as exc:
+                log.warning("dropping a control message: %s", exc)
+                continue
+            if kind is Kind.WELCOME:
                 self.welcomed = True
-            elif kind == "rehello":
+            elif kind is Kind.REHELLO:
                 self.welcomed = False
                 self._hello()
-            elif kind == "reject":
+            elif kind is Kind.REJECT:
                 self.rejected = str(h.get("problem"))
                 return f"rejected by scheduler: {self.rejected}"
-            elif kind == "free":
-                rid = str(h.get("rid"))
+            elif kind is Kind.FREE:
+                rid = h["rid"]
                 self.engine.free(rid)
                 self._pending.pop(rid, None)
                 self._touched.pop(rid, None)
                 self._freed[rid] = time.monotonic()
-            elif kind == "stop":
+            elif kind is Kind.STOP:
                 return "stopped by scheduler"
         return None
 
@@ -152,18 +160,22 @@ class EngineNode:
         batch: list[tuple[dict[str, Any], Step]] = []
         seen: set[str] = set()
         for _, h, arrays in wire.drain(self.data, limit=self.s.max_batch, tensors=True):
-            if "rid" not in h:
-                log.warning("dropping a data message without a request id")
+            try:
+                _, kind = check(Link.DATA, h)
+            except ProtocolError as exc:
+                log.warning("dropping a data message: %s", exc)
+                if isinstance(h.get("rid"), str) and h["rid"] not in self._freed:
+                    self._error(h["rid"], f"bad data message: {exc}", 400)
                 continue
-            rid = str(h["rid"])
+            rid = h["rid"]
             if rid in self._freed:
                 continue
             self._touched[rid] = now
-            if h["kind"] == "kv":
+            if kind is Kind.KV:
                 self._import_kv(rid, h, arrays)
                 continue
-            if h["kind"] != "forward" or len(arrays) != 1:
-                log.warning("dropping data message of kind %r with %d arrays", h["kind"], len(arrays))
+            if len(arrays) != 1:
+                log.warning("dropping a forward with %d arrays", len(arrays))
                 continue
             try:
                 step = self._step(rid, h, arrays[0])

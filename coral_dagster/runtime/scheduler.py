@@ -13,6 +13,7 @@ import numpy as np
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import Kind, Link, check
 from coral_dagster.runtime.config import SchedulerConfig, stage_ranges
 from coral_dagster.runtime.security import CurveKeys, Security
 from coral_dagster.runtime.tokenizer import finish_reason
@@ -229,29 +230,35 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - a bad message is dropped, never fatal
                 log.warning("dropping a %s message from an engine: %r", h["kind"], exc)
 
+    # The handler of each kind an engine node sends; HELLO and PULSE may come from a connection not yet known.
+    ENGINE_HANDLERS = {Kind.HELLO: "_hello", Kind.PULSE: "_pulse", Kind.TOKEN: "_node_token",
+                       Kind.ERROR: "_node_error"}
+
     def _on_engine(self, ident: bytes, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        if kind == "pulse":
-            # From the node's heartbeat thread, on a connection of its own: the incarnation vouches for it.
-            node = self.nodes.get(str(h.get("node")))
-            if node is None:
-                wire.send(self.engines, {"kind": "rehello"}, to=ident)
-            elif h.get("incarnation") == node.incarnation:
-                node.last_seen = now
-            return
-        if kind == "hello":
-            self._hello(ident, h, now)
+        _, kind = check(Link.NODE_TO_SCHEDULER, h)
+        if kind in (Kind.HELLO, Kind.PULSE):
+            getattr(self, self.ENGINE_HANDLERS[kind])(ident, h, now)
             return
         node = next((n for n in self.nodes.values() if n.ident == ident), None)
         if node is None:
-            wire.send(self.engines, {"kind": "rehello"}, to=ident)
+            wire.send(self.engines, {"kind": Kind.REHELLO}, to=ident)
             return
         node.last_seen = now
-        if kind == "token":
-            self._token(str(h["rid"]), int(h["token"]), int(h["pos"]), now)
-        elif kind == "error":
-            status = h.get("status")
-            self._fail(str(h["rid"]), str(h["problem"]), status if isinstance(status, int) else None)
+        getattr(self, self.ENGINE_HANDLERS[kind])(h, now)
+
+    def _pulse(self, ident: bytes, h: dict[str, Any], now: float) -> None:
+        """From the node's heartbeat thread, on a connection of its own: the incarnation vouches for it."""
+        node = self.nodes.get(h["node"])
+        if node is None:
+            wire.send(self.engines, {"kind": Kind.REHELLO}, to=ident)
+        elif h["incarnation"] == node.incarnation:
+            node.last_seen = now
+
+    def _node_token(self, h: dict[str, Any], now: float) -> None:
+        self._token(h["rid"], h["token"], h["pos"], now)
+
+    def _node_error(self, h: dict[str, Any], now: float) -> None:
+        self._fail(h["rid"], h["problem"], h.get("status"))
 
     def _hello(self, ident: bytes, h: dict[str, Any], now: float) -> None:
         name, incarnation = str(h["node"]), str(h.get("incarnation", ""))
@@ -311,31 +318,45 @@ class Scheduler:
                     self._fail(rid, f"instance {self.cfg.instance} could not run the request: {exc!r}",
                                400 if request_fault else None)
 
-    def _on_coordinator(self, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        if kind == "registered":
-            self.registered = True
-            self._to_coord({"kind": "health", "healthy": self.healthy, "problem": ""})
-        elif kind == "reregister":
-            self.registered = False
-        elif kind == "refused":
-            log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
-        elif kind == "drain":
-            self._drain.set()
-        elif kind == "cancel":
-            r = self.requests.pop(str(h["rid"]), None)
-            if r is not None:
-                self._free(r)
-        elif kind in ("generate", "prefill", "decode"):
-            self._admit(kind, h, now)
-        elif kind == "first_token":
-            r = self.requests.get(str(h["rid"]))
-            if r is not None:
-                r.n_out, r.last_progress = 1, now
-                self._forward(r, [int(h["token"])])
+    # The handler of each kind the coordinator sends.
+    COORDINATOR_HANDLERS = {Kind.REGISTERED: "_registered", Kind.REREGISTER: "_reregister", Kind.ACK: "_ack",
+                            Kind.REFUSED: "_refused", Kind.DRAIN: "_drain_ordered", Kind.CANCEL: "_cancel",
+                            Kind.GENERATE: "_admit", Kind.PREFILL: "_admit", Kind.DECODE: "_admit",
+                            Kind.FIRST_TOKEN: "_first_token"}
 
-    def _admit(self, kind: str, h: dict[str, Any], now: float) -> None:
-        rid = str(h["rid"])
+    def _on_coordinator(self, h: dict[str, Any], now: float) -> None:
+        _, kind = check(Link.COORDINATOR_TO_SCHEDULER, h)
+        getattr(self, self.COORDINATOR_HANDLERS[kind])(h, now)
+
+    def _registered(self, h: dict[str, Any], now: float) -> None:
+        self.registered = True
+        self._to_coord({"kind": Kind.HEALTH, "healthy": self.healthy, "problem": ""})
+
+    def _reregister(self, h: dict[str, Any], now: float) -> None:
+        self.registered = False
+
+    def _ack(self, h: dict[str, Any], now: float) -> None:
+        """The coordinator heard a heartbeat (or probed this connection): hearing it is all that counts."""
+
+    def _refused(self, h: dict[str, Any], now: float) -> None:
+        log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
+
+    def _drain_ordered(self, h: dict[str, Any], now: float) -> None:
+        self._drain.set()
+
+    def _cancel(self, h: dict[str, Any], now: float) -> None:
+        r = self.requests.pop(h["rid"], None)
+        if r is not None:
+            self._free(r)
+
+    def _first_token(self, h: dict[str, Any], now: float) -> None:
+        r = self.requests.get(h["rid"])
+        if r is not None:
+            r.n_out, r.last_progress = 1, now
+            self._forward(r, [h["token"]])
+
+    def _admit(self, h: dict[str, Any], now: float) -> None:
+        kind, rid = h["kind"], h["rid"]
         if self.draining_since is not None or not self.healthy:
             state = "draining" if self.draining_since is not None else "unhealthy"
             self._to_coord({"kind": "error", "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})

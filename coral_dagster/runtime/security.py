@@ -14,10 +14,11 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.protocol import Env
 from coral_dagster.runtime.wire import MAX_CONTROL_BYTES
 
-ENV_SECRET_KEY = "CORAL_CURVE_SECRET_KEY"
-ENV_PUBLIC_KEYS = "CORAL_CURVE_PUBLIC_KEYS"
+ENV_SECRET_KEY = Env.CURVE_SECRET_KEY.value
+ENV_PUBLIC_KEYS = Env.CURVE_PUBLIC_KEYS.value
 
 
 @dataclass(frozen=True)
