@@ -6,6 +6,7 @@ instances fails alone, and every request ends by its deadline."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from contextlib import ExitStack
 
@@ -197,3 +198,111 @@ def test_malformed_messages_fail_alone_with_a_reason(ready, header, reply):
     assert replies[0].get("problem", "x") and (reply != "error" or replies[0]["status"] == 400)
     assert [i["instance"] for i in ready.client.status()["instances"]] == ["i0"]
     assert ready.client.complete("m", ["x"], max_tokens=1)[0]["kind"] == "done"
+
+
+class _Instance:
+    """A real scheduler (one stage of 12 layers) whose coordinator is a bare ROUTER, and node connections played
+    by the test."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        from coral_dagster.runtime.config import SchedulerConfig
+        from coral_dagster.runtime.scheduler import Scheduler
+
+        self.stack, self.ctx = stack, zmq.Context()
+        stack.callback(self.ctx.term)
+        self.coord = self.ctx.socket(zmq.ROUTER)
+        self.coord.linger = 0
+        self.coord.bind("tcp://127.0.0.1:*")
+        stack.callback(self.coord.close)
+        self.sched = Scheduler(SchedulerConfig("i", "tiny-llama", "aggregated", (12,), 12,
+                                               self.coord.getsockopt_string(zmq.LAST_ENDPOINT),
+                                               listen="tcp://127.0.0.1:*", timing=TIMING), insecure=True)
+        background(stack, self.sched.run)
+        self.data = self.ctx.socket(zmq.PULL)
+        self.data.linger = 0
+        self.data.bind("tcp://127.0.0.1:*")
+        stack.callback(self.data.close)
+
+    def node(self, incarnation: str) -> zmq.Socket:
+        """A node connection named "n" that says hello as process `incarnation`."""
+        ctl = self.ctx.socket(zmq.DEALER)
+        ctl.linger = 0
+        ctl.connect(self.sched.address)
+        self.stack.callback(ctl.close)
+        wire.send(ctl, {"kind": "hello", "node": "n", "stage": 0, "start": 0, "end": 12, "model": "tiny-llama",
+                        "data": self.data.getsockopt_string(zmq.LAST_ENDPOINT), "incarnation": incarnation},
+                  block=True)
+        return ctl
+
+    def pulse(self, incarnation: str) -> threading.Event:
+        """Pulse for node "n" as process `incarnation` from a thread, until the returned event is set."""
+        stop = threading.Event()
+
+        def run() -> None:
+            beat = self.ctx.socket(zmq.DEALER)
+            beat.linger = 0
+            beat.connect(self.sched.address)
+            while not stop.wait(TIMING.heartbeat_s):
+                wire.send(beat, {"kind": "pulse", "node": "n", "incarnation": incarnation})
+            beat.close()
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        self.stack.callback(thread.join, 5)
+        self.stack.callback(stop.set)
+        return stop
+
+    def to_coordinator(self, window_s: float) -> list[dict]:
+        got: list[dict] = []
+        deadline = time.monotonic() + window_s
+        while (left := deadline - time.monotonic()) > 0:
+            if self.coord.poll(max(1, int(1000 * left))):
+                for ident, h, _ in wire.drain(self.coord, routed=True):
+                    if h["kind"] == "register":
+                        wire.send(self.coord, {"kind": "registered"}, to=ident)
+                    self.ident = ident
+                    got.append(h)
+        return got
+
+
+def test_a_live_nodes_name_is_not_taken_and_forged_pulses_do_not_keep_a_silent_node_alive():
+    with ExitStack() as stack:
+        inst = _Instance(stack)
+        first = inst.node("A")
+        alive = inst.pulse("A")
+        assert [h["kind"] for h in _heard(first, 0.5)][:1] == ["welcome"]
+        assert any(h["kind"] == "register" for h in inst.to_coordinator(1.0))
+        # Another connection claiming the live node's name is rejected ...
+        second = inst.node("B")
+        replies = [h for h in _heard(second, 0.5) if h["kind"] != "ping"]
+        assert [h["kind"] for h in replies] == ["reject"] and "already connected" in replies[0]["problem"]
+        # ... and pulses under the right incarnation kept the node alive well past the dead-after limit ...
+        time.sleep(2 * TIMING.dead_after_s)
+        assert not any(h["kind"] == "health" for h in inst.to_coordinator(0.1))
+        # ... where pulses under another incarnation do not.
+        alive.set()
+        forged = inst.pulse("forged")
+        health = [h for h in inst.to_coordinator(2 * TIMING.dead_after_s) if h["kind"] == "health"]
+        forged.set()
+        assert health and health[-1]["healthy"] is False and "stage 0" in health[-1]["problem"]
+
+
+def test_a_node_restarted_under_its_name_fails_what_the_old_process_had_in_flight_at_once():
+    with ExitStack() as stack:
+        inst = _Instance(stack)
+        old = inst.node("A")
+        inst.pulse("A")
+        assert [h["kind"] for h in _heard(old, 0.5)][:1] == ["welcome"]
+        inst.to_coordinator(1.0)
+        wire.send(inst.coord, {"kind": "generate", "rid": "r1", "tokens": [1, 2, 3], "max_tokens": 4},
+                  to=inst.ident)
+        assert inst.data.poll(5000)
+        # The old process dies (its connection closes) and a new one says hello long before silence would count.
+        old.close(linger=0)
+        time.sleep(0.2)
+        started = time.monotonic()
+        new = inst.node("B")
+        errors: list[dict] = []
+        while not errors and time.monotonic() - started < TIMING.dead_after_s:
+            errors = [h for h in inst.to_coordinator(0.05) if h["kind"] == "error"]
+        assert [h["rid"] for h in errors] == ["r1"] and "was restarted" in errors[0]["problem"]
+        assert [h["kind"] for h in _heard(new, 0.5)][:1] == ["welcome"]
