@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,11 @@ class Store:
         if read_only and not self.path.exists():
             raise CoralError(f"DuckDB file {self.path} does not exist yet.",
                              "run `coral catalog load` (or the main job) first, or set CORAL_DB.")
+        kind = _special_file(self.path)
+        if kind:
+            # Opening a FIFO would block for ever; "move it aside" would be wrong advice for a device.
+            raise StoreFileError(f"{self.path} is {kind}, not a DuckDB database file.",
+                                 "point CORAL_DB (or --db) at a regular file path (a new one is created).")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -103,6 +109,19 @@ class Store:
 # A file of another database (SQLite) makes DuckDB reach for the extension that reads it, downloading it from the
 # network if allowed; a store never needs one (duckdb.org/docs/stable/configuration/overview: these two settings).
 NO_EXTENSION_LOADING = {"autoload_known_extensions": False, "autoinstall_known_extensions": False}
+
+def _special_file(path: Path) -> str:
+    """What `path` is when it exists and is neither a regular file nor a folder (a device, a FIFO, a socket)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return ""
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return ""
+
 
 _BROKEN_FIX = ("move it aside (`mv {path} {path}.broken`) and run `coral run` (or the command again) to start a "
                "fresh file, or point CORAL_DB (or --db) at another file; restore it from a backup if its plan "
