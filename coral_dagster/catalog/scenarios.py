@@ -19,14 +19,14 @@ from coral_dagster.catalog.market import REGION_RE, MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
 from coral_dagster.templates.engines import SERVING_ENGINES
-from coral_dagster.templates.types import T_HAT_RULES
+from coral_dagster.templates.types import T_HAT_RULE_NAMES, T_HAT_RULES
 
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
 TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "nodes", "link_gbps", "models", "engine",
                       "availability", "templates", "allocation"})
 MODEL_KEYS = frozenset({"model", "base", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
-TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin"})
+TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "t_hat_rule"})
 AVAILABILITY_KEYS = frozenset({"profile", "default_nodes", "base_nodes", "gpu_factors", "size_factors", "nodes",
                                "series"})
 SERIES_KEYS = frozenset({"window_min", "multipliers", "gpus"})
@@ -92,19 +92,22 @@ class Scenario:
     path: str = dataclass_field(default="", compare=False)
     # What runs the instances: Coral's runtime (every template) or vLLM (templates/engines.py says which).
     engine: str = "coral"
+    # The rule T̂ is computed by (`templates.types.T_HAT_RULE_NAMES`): `slo` (ours) or `paper`.
+    t_hat_rule: str = "slo"
 
     @property
     def library_key(self) -> str:
         """What the template library depends on, as a digest: the models with their SLOs, traces and margins, the
         node configurations, n_max, ρ, the link, the data files templates are computed from and the version of
-        T̂'s rules (`templates.types.T_HAT_RULES`). Libraries are
+        the T̂ rule in use (`templates.types.T_HAT_RULES`: the `slo` rule's key is what it was before rules could be
+        chosen). Libraries are
         stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
         settings = {
             "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
                               m.attainment_target, *([m.base] if m.base != m.model else [])] for m in self.models),
             "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
             "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
-            "rules": T_HAT_RULES,
+            "rules": T_HAT_RULES[self.t_hat_rule],
         }
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -113,7 +116,8 @@ class Scenario:
         """What a plan of this scenario depends on besides the market, as a digest: its name, every field but the
         description, the file path and the engine (chosen per plan, recorded in its inputs), and the library key.
         Plans and demand and market snapshots are stored under it, so "latest" never crosses two scenario files."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("description", "path", "engine")}
+        settings = {k: v for k, v in asdict(self).items()
+                    if k not in ("description", "path", "engine", "t_hat_rule")}  # the library key has the rule
         # A model served as itself keeps the key it had before served models existed (stored plans stay found).
         settings["models"] = [{k: v for k, v in m.items() if k != "base" or v != m["model"]}
                               for m in settings["models"]]
@@ -234,6 +238,10 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     catalog = model_catalog()
     tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
     margins = {"slo_margin": _number(tpl, "slo_margin", path, "templates", 1.0, 0.0, 1.0, low_open=True)}
+    t_hat_rule = tpl.get("t_hat_rule", "slo")
+    if t_hat_rule not in T_HAT_RULE_NAMES:
+        raise CatalogError(path, "templates", "t_hat_rule", f"unknown T̂ rule {t_hat_rule!r}",
+                           f"use one of {', '.join(T_HAT_RULE_NAMES)} (paper: the paper's per-stage rule; slo: ours)")
     rows = rows_of(doc, "models", path)
     if not rows:
         raise CatalogError(path, "-", "models", "the list is empty", "list at least one model (see core.yaml)")
@@ -282,6 +290,7 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
                                                     low_open=True),
         path=str(path),
         engine=engine,
+        t_hat_rule=t_hat_rule,
     )
 
 

@@ -10,6 +10,7 @@ import click
 
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
+from coral_dagster.cli.templates import t_hat_rule_option, with_t_hat_rule
 from coral_dagster.templates.engines import SERVING_ENGINES
 
 from coral_dagster.allocation.types import METHODS
@@ -68,12 +69,13 @@ def _print_plan(plan) -> None:
 @click.option("--time-limit-s", type=POSITIVE, default=30.0, show_default=True, help="Solver time limit.")
 @click.option("--store/--no-store", "save", default=True, show_default=True,
               help="Write the plan to the DuckDB file (tables plans, plan_instances).")
+@t_hat_rule_option
 @prices_option
 @db_option
 @json_option
 def plan(scenario: str, method: str, availability_scale: float, engine: str | None, demand_mix: str,
-         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, db_path: str | None,
-         as_json: bool) -> None:
+         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, t_hat_rule: str | None,
+         db_path: str | None, as_json: bool) -> None:
     """Choose how many instances of which templates to run in which region, at least cost.
 
     Demand per (model, phase) is the scenario's request rate × the trace's mean prompt (prefill) or output
@@ -92,13 +94,14 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     store = Store(db_path)
     running = resolve_plan(store, running_id, scenario, method) if running_id else None
     scn = load_scenario(scenario)
-    scn = replace(scn, engine=engine or scn.engine)
+    scn = replace(with_t_hat_rule(scn, t_hat_rule), engine=engine or scn.engine)
     market = scn.market(availability_scale=availability_scale)
     result = plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
                            scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
                            db_path=db_path)
     if save:
         inputs = {"scenario": scenario, "scenario_path": scn.path, "method": method, "engine": scn.engine,
+                  "t_hat_rule": scn.t_hat_rule,
                   "availability_scale": availability_scale,
                   "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
                   "time_limit_s": time_limit_s}

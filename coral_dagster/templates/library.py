@@ -161,7 +161,8 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
     for m in wanted:
         computed_as[m.model] = next(o.model for o in wanted if o.template_key == m.template_key)
     computed = [m for m in wanted if computed_as[m.model] == m.model]
-    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps) for m in computed for p in phases}
+    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps, rule=scn.t_hat_rule)
+                 for m in computed for p in phases}
     start = time.perf_counter()
     pool = ProcessPoolExecutor(processes) if processes > 1 else None
     try:

@@ -1,5 +1,13 @@
 """T̂ tables the placement optimizer works on: per stage count S, node configuration and layer count.
 
+Two rules compute T̂ (`Workload.rule`, a scenario's `templates: {t_hat_rule: ...}`, `--t-hat-rule`):
+`paper`, the paper's plain per-stage rule (coral.md §2), and `slo` (ours, the default), which holds the SLOs under
+load. Under `paper` a node holding j layers of an S-stage pipeline gets T̂ = the most tokens/s any batch reaches
+within ℓ/S (`PerfModel.t_hat`): no `slo_margin`, no queueing factor, no activation charge, KV room for one batch, and
+no check of the trace's longest request; prefill batches are prompts of `prefill_seq_tokens`, decode batches
+sequences at `Workload.decode_context_tokens`. Its aggregated T̂ is the fused step of `_aggregated_paper_point`.
+The rest of this docstring is the `slo` rule.
+
 Latency rule (ours, beyond the paper's even split). An S-stage pipeline gives every stage the budget ℓ/S. When
 S > 1 a stage's time also includes sending its output activations (tokens × `activation_bytes_per_token`) to the
 next stage over min(the node's NIC, the scenario's `link_gbps`); a single stage sends nothing. The rule charges
@@ -73,10 +81,15 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.templates.queueing import (decode_rate, handoff_utilisation, prefill_utilisation, trace_kv_sequences,
                                               trace_lengths)
-from coral_dagster.templates.types import PHASES, Phase
+from coral_dagster.templates.types import PHASES, T_HAT_RULE_NAMES, Phase, THatRule
 
 #: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
 AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: Decode sequences a fused aggregated step may hold (256: vLLM's default `max_num_seqs`), tried for T̂.
+AGGREGATED_BATCHES: tuple[int, ...] = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+#: Prompt tokens a fused aggregated step may add, tried for T̂: 0, then 2^(k/16) up to 2^18.
+AGGREGATED_CHUNKS: np.ndarray = np.unique(np.concatenate([[0.0], np.round(2.0 ** (np.arange(18 * 16 + 1) / 16))])
+                                          ).astype(int)
 #: Shares of the prefill budget the S steps of a prompt's pass may take; the rest is the prompts' queueing room.
 PREFILL_STEP_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125, 0.0625)
 #: Shares of a decode stage's budget slo_margin · ℓ/S its step may take, longest first; the rest is hand-off room.
@@ -105,7 +118,8 @@ class Workload:
     `prefill_seq_tokens`: prompt length prefill batches are made of (0: `prompt_tokens`); `slo_margin`: share
     of each stage's budget ℓ/S a step is planned at; `trace`: the bundled trace whose prompt lengths the prefill
     queue serves ("": all of `prefill_seq_tokens`); `attainment_target`: share of prompts that must meet it;
-    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check).
+    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check); `rule`: the
+    T̂ rule (module docstring), `paper` ignoring the margin, the trace's queueing and the longest request.
     """
 
     model: str
@@ -120,10 +134,13 @@ class Workload:
     trace: str = ""
     attainment_target: float = 0.95
     max_context_tokens: int = 0
+    rule: THatRule = "slo"
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise UnknownNameError("phase", self.phase, PHASES)
+        if self.rule not in T_HAT_RULE_NAMES:
+            raise UnknownNameError("T̂ rule", self.rule, T_HAT_RULE_NAMES)
         if self.slo_ms <= 0 or self.prefill_slo_ms <= 0:
             raise CoralError(f"SLO of {self.slo_ms:g} ms for {self.model} {self.phase}.", "give a positive SLO.")
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -172,9 +189,10 @@ def token_weighted_prompt_tokens(trace: str) -> int:
 
 
 def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
-                 slo_ms: float | None = None) -> Workload:
-    """The workload of one scenario model in one phase; `slo_ms` overrides the scenario's SLO of that phase
-    (for aggregated, the per-token SLO; the prefill SLO still bounds the first token)."""
+                 slo_ms: float | None = None, rule: THatRule = "slo") -> Workload:
+    """The workload of one scenario model in one phase under T̂ rule `rule` (the scenario's `t_hat_rule`);
+    `slo_ms` overrides the scenario's SLO of that phase (for aggregated, the per-token SLO; the prefill SLO still
+    bounds the first token)."""
     prompt, output = trace_mean_tokens(scenario_model.trace)
     default = scenario_model.prefill_slo_ms if phase == "prefill" else scenario_model.decode_slo_ms
     return Workload(scenario_model.model, phase, float(slo_ms if slo_ms is not None else default), prompt, output,
@@ -183,7 +201,7 @@ def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
                     slo_margin=float(getattr(scenario_model, "slo_margin", 1.0)),
                     trace=scenario_model.trace,
                     attainment_target=float(getattr(scenario_model, "attainment_target", 0.95)),
-                    max_context_tokens=longest_request_tokens(scenario_model.trace))
+                    max_context_tokens=longest_request_tokens(scenario_model.trace), rule=rule)
 
 
 @lru_cache(maxsize=8)
@@ -223,8 +241,9 @@ class ThroughputTables:
         object.__setattr__(self, "_index", {c: i for i, c in enumerate(self.configs)})
 
     def budget_ms(self, n_stages: int) -> float:
-        """The time one stage step of an `n_stages` pipeline is planned within."""
-        return self.workload.slo_ms * self.workload.slo_margin / n_stages
+        """The time one stage step of an `n_stages` pipeline is planned within (`paper`: ℓ/S, no margin)."""
+        margin = 1.0 if self.workload.rule == "paper" else self.workload.slo_margin
+        return self.workload.slo_ms * margin / n_stages
 
     def index(self, node: NodeConfig) -> int:
         i = self._index.get(node)  # type: ignore[attr-defined]
@@ -298,7 +317,11 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
     spec = model_spec or get_model(workload.model)
     perf = perf or perf_for_prompt(workload.prefill_seq_tokens)
     n_layers = spec.n_layers
-    max_layers = {c: _max_layers(perf, spec, c, n_layers, workload.max_context_tokens) for c in configs}
+    paper = workload.rule == "paper"
+    longest = 0 if paper else workload.max_context_tokens
+    max_layers = {c: _max_layers(perf, spec, c, n_layers, longest) for c in configs}
+    fused = {c: fused_step_table(perf, spec, c, workload) for c in configs} \
+        if paper and workload.phase == "aggregated" else {}
     tokens, points = {}, {}
     for s in range(1, max_stages + 1):
         rows = []
@@ -308,6 +331,10 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
             for j in range(1, n_layers + 1):
                 if j > max_layers[c]:
                     row.append(Point(0.0, 0, 0.0, "memory"))
+                elif paper and workload.phase == "aggregated":
+                    row.append(_aggregated_paper_point(fused[c], _kv_tokens(perf, spec, c, j), workload, j, s))
+                elif paper:
+                    row.append(_paper_point(perf, spec, c, workload, j, s))
                 elif workload.phase == "aggregated":
                     row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
                 elif workload.phase == "prefill":
@@ -318,6 +345,57 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
         points[s] = tuple(rows)
         tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
     return ThroughputTables(workload, tuple(configs), n_layers, tokens, points)
+
+
+def _paper_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int) -> Point:
+    """Prefill or decode T̂ under the paper's rule: the best batch within ℓ/S, KV for one batch, nothing sent."""
+    context = w.prompt_tokens if w.phase == "prefill" else w.decode_context_tokens
+    p = perf.t_hat(spec, node, w.phase, layers, w.slo_ms / n_stages, context, None, resident_batches=1)
+    return Point(float(p.tokens_per_s), int(p.batch), float(p.stage_ms), str(p.bound))
+
+
+def _kv_tokens(perf, spec, node: NodeConfig, layers: int) -> float:
+    """KV-cache tokens a node holding `layers` layers has room for (unbounded for a perf model that does not say)."""
+    kv: Callable | None = getattr(perf, "kv_capacity_tokens", None)
+    return math.inf if kv is None else float(kv(spec, node, layers))
+
+
+def fused_step_table(perf, spec, node: NodeConfig, w: Workload) -> np.ndarray:
+    """Milliseconds per layer of fused aggregated steps on `node` (`simulator.latency.fused_step_ms`, the engine's
+    price): row i holds `AGGREGATED_BATCHES[i]` decode sequences at the mean decode context, column k adds
+    `AGGREGATED_CHUNKS[k]` prompt tokens, chunks of prompts of `prefill_seq_tokens` (a chunk c shorter than the
+    prompt has (P − c)/2 of it cached before it on average)."""
+    from coral_dagster.simulator.latency import ProfileStage, fused_step_ms
+
+    lat = ProfileStage(perf, spec, node, 1, math.inf)
+    ctx, prompt = w.decode_context_tokens, w.prefill_seq_tokens
+    out = np.empty((len(AGGREGATED_BATCHES), len(AGGREGATED_CHUNKS)))
+    for i, b in enumerate(AGGREGATED_BATCHES):
+        for k, c in enumerate(AGGREGATED_CHUNKS.tolist()):
+            seq = min(c, prompt) if c else 1
+            out[i, k] = fused_step_ms(lat, b, b * ctx, c, seq, (prompt - c) / 2.0 if c < prompt else 0.0)
+    return out
+
+
+def _aggregated_paper_point(fused: np.ndarray, kv_tokens: float, w: Workload, layers: int, n_stages: int) -> Point:
+    """Aggregated T̂ under the paper's rule: the best fused step (B decode sequences plus C prompt tokens, its time
+    `layers` × `fused`) within ℓ_d/S whose B sequences' KV fits (one batch) and whose prompts, C tokens a step
+    streamed through the S stages, get their first token within ℓ_p: (⌈P/C⌉ + S − 1) steps. It emits
+    min(B, C·D/P) output tokens per step (requests leave as fast as their prompts enter)."""
+    batches = np.asarray(AGGREGATED_BATCHES, dtype=float)[:, None]
+    chunks = AGGREGATED_CHUNKS.astype(float)[None, :]
+    step = layers * fused
+    within = np.logical_and.accumulate(step <= w.slo_ms / n_stages, axis=1)
+    first_ms = (np.ceil(w.prompt_tokens / np.maximum(chunks, 1.0)) + n_stages - 1) * step
+    ok = within & (chunks > 0) & (batches * w.decode_context_tokens <= kv_tokens) & (first_ms <= w.prefill_slo_ms)
+    rate = np.where(ok, np.minimum(batches, chunks * w.output_tokens / w.prompt_tokens) * 1000.0 / step, 0.0)
+    i, k = np.unravel_index(int(np.argmax(rate)), rate.shape)
+    if rate[i, k] <= 0:
+        return Point(0.0, 0, 0.0, "memory" if w.decode_context_tokens > kv_tokens else "slo")
+    bigger = i + 1 < len(AGGREGATED_BATCHES) and bool(within[i + 1, k])
+    kv_bound = bigger and AGGREGATED_BATCHES[i + 1] * w.decode_context_tokens > kv_tokens
+    return Point(float(rate[i, k]), int(AGGREGATED_BATCHES[i] + AGGREGATED_CHUNKS[k]), float(step[i, k]),
+                 "memory" if kv_bound else "compute")
 
 
 def _prefill_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int,

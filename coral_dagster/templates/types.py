@@ -10,9 +10,14 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 Phase = Literal["prefill", "decode", "aggregated"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode", "aggregated")
 Bound = Literal["compute", "memory", "slo", "network"]
-#: The rules T̂ is computed by (`templates.throughput`, `templates.queueing`); part of every library key, so a
-#: library built under other rules is rebuilt, never reused. Change it with any change of what T̂ answers.
-T_HAT_RULES = "2026-12-01 decode hand-off as NIC load"
+THatRule = Literal["paper", "slo"]
+#: The rules T̂ may be computed by (`templates.throughput`): `paper`, the paper's plain per-stage rule, and `slo`,
+#: ours that holds the SLOs under load (the default).
+T_HAT_RULE_NAMES: tuple[THatRule, ...] = ("paper", "slo")
+#: The version of each rule (`templates.throughput`, `templates.queueing`); part of every library key, so a
+#: library built under other rules is rebuilt, never reused. Change a rule's with any change of what it answers.
+T_HAT_RULES: dict[str, str] = {"slo": "2026-12-01 decode hand-off as NIC load",
+                               "paper": "paper 2026-12-05 per-stage l/S, one batch of KV, fused aggregated step"}
 
 
 @dataclass(frozen=True)
