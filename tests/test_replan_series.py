@@ -7,7 +7,6 @@ import math
 from datetime import datetime, timedelta, timezone
 
 import dagster as dg
-import pytest
 import yaml
 from click.testing import CliRunner
 from scenario_docs import small
