@@ -12,10 +12,13 @@ windows is shown beside, so "equal attainment" can be checked cell by cell), und
 (`--scarcity scale`). Per cell: Coral ÷ Homo-ILP, ÷ Cauchy, ÷ Homo (their cost over Coral's), the share of
 Coral's instances whose template mixes GPU types, and what binds (nodes at their count in Coral's and Homo-ILP's
 plans, or the binding nodes an infeasible method reports). Writes bench/results/heterogeneity.json (headline rows)
-and heterogeneity.png (one heat map per scenario × rule × prices).
+and heterogeneity.png (one heat map per scenario × rule × prices × level). `--mixes` repeats the map under
+imbalanced demand (coral.md §6), rows labelled `scenario:mix`; `--levels` below 1 is the paper's scarcity
+experiment, every method's served share beside (`scale` mode).
 
     python -m bench.heterogeneity [--scenarios core,extended] [--rules slo,paper] [--prices list,paper]
-        [--gpu-powers 0,1,2] [--size-powers 0,1] [--levels 1] [--time-limit-s 15] [--seeds 11] [--duration-s 300]
+        [--gpu-powers 0,1,2] [--size-powers 0,1] [--levels 1] [--mixes uniform] [--time-limit-s 15] [--seeds 11]
+        [--duration-s 300]
 """
 
 from __future__ import annotations
@@ -27,12 +30,14 @@ from pathlib import Path
 
 from bench._args import evaluate, names
 from bench._results import RESULTS, write_result
+from coral_dagster.allocation.demand import DEMAND_MIXES
 from coral_dagster.allocation.goodput import fluid_goodput
+from coral_dagster.allocation.inputs import mixed_scenario
 from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.catalog.prices import PAPER_PRICES, read_price_file
 from coral_dagster.catalog.scenarios import load_scenario
-from coral_dagster.errors import CoralError
+from coral_dagster.errors import CoralError, UnknownNameError
 
 METHODS = ("coral", "homo-ilp", "cauchy", "homo")
 BASELINES = ("homo-ilp", "cauchy", "homo")
@@ -103,6 +108,8 @@ def cell_row(scn_name, rule, prices, gp, sp, level, results: dict) -> dict:
            "coral_usd_per_hour": coral.get("usd_per_hour"), "coral_status": coral.get("status"),
            "mixed_share": coral.get("mixed_share"), "coral_at_cap": coral.get("at_cap"),
            "coral_attainment": coral.get("worst_attainment"), "methods": results}
+    if "served_share" in coral:
+        row["coral_served_share"] = coral["served_share"]
     for b in BASELINES:
         r = results.get(b, {})
         if coral.get("usd_per_hour") and r.get("usd_per_hour"):
@@ -110,6 +117,8 @@ def cell_row(scn_name, rule, prices, gp, sp, level, results: dict) -> dict:
         elif "served_share" in r:
             row[f"{b}_x_coral"] = None
             row[f"{b}_served_share"] = r["served_share"]
+            if coral.get("served_share") is not None and r["served_share"] > 0:
+                row[f"coral_over_{b}_served"] = coral["served_share"] / r["served_share"]
     homo_ilp = results.get("homo-ilp", {})
     row["binding"] = (f"Homo-ILP short: {homo_ilp['binding']}" if "binding" in homo_ilp else
                       f"at cap: Coral {', '.join(coral.get('at_cap') or []) or 'none'}; Homo-ILP "
@@ -191,6 +200,7 @@ def main() -> None:
     ap.add_argument("--gpu-powers", default="0,1,2")
     ap.add_argument("--size-powers", default="0,1")
     ap.add_argument("--levels", default="1", help="availability multiples applied after the shape")
+    ap.add_argument("--mixes", default="uniform", help=f"demand mixes of {', '.join(DEMAND_MIXES)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--time-limit-s", type=float, default=15.0, help="solver limit per plan")
     ap.add_argument("--seeds", default="11", help="held-out seeds for the slo rule's attainment ('' for none)")
@@ -198,11 +208,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     seeds = [int(s) for s in names(args.seeds)]
+    for mix in names(args.mixes):
+        if mix not in DEMAND_MIXES:
+            raise UnknownNameError("demand mix", mix, DEMAND_MIXES)
     t_start, rows = time.perf_counter(), []
-    for scn_name in names(args.scenarios):
+    for scn_name, mix in ((s, m) for s in names(args.scenarios) for m in names(args.mixes)):
         base = load_scenario(scn_name)
+        label = scn_name if mix == "uniform" else f"{scn_name}:{mix}"
         for rule in names(args.rules):
-            scn_rule = with_rule(base, rule)
+            scn_rule = mixed_scenario(with_rule(base, rule), mix)
             templates = library_templates(scn_rule)  # once per (scenario, rule): availability is not in its key
             for prices in names(args.prices):
                 table = price_table(prices)
@@ -213,10 +227,10 @@ def main() -> None:
                             market = scn.market(availability_scale=level, prices=table, window=0)
                             results = {m: method_result(scn, m, templates, market, args, seeds, rule == "slo")
                                        for m in names(args.methods)}
-                            rows.append(cell_row(scn_name, rule, prices, gp, sp, level, results))
+                            rows.append(cell_row(label, rule, prices, gp, sp, level, results))
                             r = rows[-1]
                             print(" | ".join(str(x) for x in (
-                                scn_name, rule, prices, gp, sp, level, _fmt(r.get("coral_usd_per_hour")),
+                                label, rule, prices, gp, sp, level, _fmt(r.get("coral_usd_per_hour")),
                                 *(_fmt(r.get(f"{b}_x_coral")) if r.get(f"{b}_served_share") is None
                                   else f"serves {r[f'{b}_served_share']:.1%}" for b in BASELINES),
                                 _fmt(r.get("mixed_share")), r["binding"][:90])), flush=True)
