@@ -24,6 +24,7 @@ experiment, every method's served share beside (`scale` mode).
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -152,8 +153,12 @@ def heat_map(rows: list[dict], out: Path) -> None:
     import numpy as np
 
     panels = sorted({(r["scenario"], r["rule"], r["prices"], r["level"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
-    for ax, (scn, rule, prices, level) in zip(axes[0], panels):
+    cols = min(4, len(panels))
+    rows_n = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.4 * rows_n), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (scn, rule, prices, level) in zip(axes.flat, panels):
         cells = [r for r in rows if (r["scenario"], r["rule"], r["prices"], r["level"]) == (scn, rule, prices, level)]
         gps, sps = sorted({r["gpu_power"] for r in cells}), sorted({r["size_power"] for r in cells})
         grid = np.full((len(sps), len(gps)), np.nan)
@@ -163,7 +168,9 @@ def heat_map(rows: list[dict], out: Path) -> None:
             grid[i, j] = ratio if ratio is not None else (2.0 if r.get("homo-ilp_served_share") is not None else np.nan)
             text = (f"{ratio:.2f}×" if ratio is not None else
                     f"H-ILP\n{r['homo-ilp_served_share']:.0%}" if r.get("homo-ilp_served_share") is not None else "–")
-            ax.text(j, i, f"{text}\nmix {r.get('mixed_share') or 0:.0%}", ha="center", va="center", fontsize=8)
+            light = np.isnan(grid[i, j]) or grid[i, j] < 1.6  # viridis is dark below 1.6 on this scale
+            ax.text(j, i, f"{text}\nmix {r.get('mixed_share') or 0:.0%}", ha="center", va="center", fontsize=8,
+                    color="white" if light else "black")
         ax.imshow(grid, cmap="viridis", vmin=1.0, vmax=2.0, origin="lower")
         ax.set_xticks(range(len(gps)), [f"{g:g}" for g in gps])
         ax.set_yticks(range(len(sps)), [f"{s:g}" for s in sps])
@@ -171,7 +178,7 @@ def heat_map(rows: list[dict], out: Path) -> None:
         ax.set_ylabel("node-size scarcity power")
         ax.set_title(f"{scn} · {rule} rule · {prices} prices · ×{level:g}", fontsize=9)
     fig.suptitle("Homo-ILP cost ÷ Coral cost (colour, 1–2; 2 = Homo-ILP cannot meet demand)", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.02, 1, 0.94))
     fig.savefig(out, dpi=110)
     plt.close(fig)
 
@@ -206,7 +213,11 @@ def main() -> None:
     ap.add_argument("--seeds", default="11", help="held-out seeds for the slo rule's attainment ('' for none)")
     ap.add_argument("--duration-s", type=float, default=300.0)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--replot", type=Path, default=None, help="only redraw the heat map of this result JSON")
     args = ap.parse_args()
+    if args.replot:
+        heat_map(json.loads(args.replot.read_text())["rows"], args.replot.with_suffix(".png"))
+        return
     seeds = [int(s) for s in names(args.seeds)]
     for mix in names(args.mixes):
         if mix not in DEMAND_MIXES:
