@@ -136,3 +136,33 @@ def test_every_number_in_the_bundled_availability_points_to_the_document():
         text = (paths.SCENARIOS_DIR / f"{name}.yaml").read_text()
         block = re.search(r"^availability:\n((?:  .*\n)+)", text, re.M).group(1)
         assert "MARKET.md" in block, name
+
+
+def _document_factors() -> tuple[dict[str, float], dict[int, float], int]:
+    """MARKET.md's GPU factors (§2), size factors (§3) and base_nodes (§4), read from the document."""
+    gpu, size = {}, {}
+    for line in MARKET.split("## 2.")[1].split("## 3.")[0].splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"[\d.]+", cells[1]):
+            gpu.update({g: float(cells[1]) for g in cells[0].split(", ")})
+    section = MARKET.split("## 3.")[1].split("## 4.")[0]
+    sizes = next(line for line in section.splitlines() if line.startswith("| GPUs per node"))
+    factors = next(line for line in section.splitlines() if line.startswith("| factor (nodes)"))
+    for k, f in zip(sizes.strip("|").split("|")[1:], factors.strip("|").split("|")[1:]):
+        size[int(k)] = float(f)
+    base = int(re.search(r"`base_nodes` = (\d+)", MARKET).group(1))
+    return gpu, size, base
+
+
+@pytest.mark.parametrize("gpu_power,size_power", [(0, 0), (1, 1), (2, 1), (1, 2), (0.5, 0)])
+def test_map_shapes_are_the_documents_factors_raised_to_powers(gpu_power, size_power):
+    """The map's shapes (bench.heterogeneity) against MARKET.md's numbers: power 0 removes that scarcity,
+    1 is the document's shape, 2 squares each factor."""
+    from coral_dagster.catalog.availability import Availability
+
+    gpu, size, base = _document_factors()
+    shaped = Availability(profile="market", base_nodes=base).with_shape(gpu_power, size_power)
+    for g, f in gpu.items():
+        for k, s in size.items():
+            expected = max(1, math.floor(base * f ** gpu_power * s ** size_power + 1e-9))
+            assert shaped.count("aws:us-east-2", NodeConfig(g, k)) == expected, (g, k)
