@@ -111,7 +111,8 @@ TEMPLATE_FIELDS = [("models.0.prefill_slo_ms", 1700), ("models.0.decode_slo_ms",
                    ("templates.slo_margin", 0.8), ("link_gbps", 25), ("gpus", ["L40S", "L4"]),
                    ("gpus_per_node", [1, 2, 4])]
 PLAN_FIELDS = [("models.0.rate_req_s", 99), ("allocation.headroom", 2), ("regions", ["aws:us-east-2"]),
-               ("availability.default_nodes", 3), ("name", "renamed"), ("description", "other words")]
+               ("availability.base_nodes", 3), ("availability.series", {"window_min": 5, "multipliers": [1, 0]}),
+               ("name", "renamed"), ("description", "other words")]
 
 
 @pytest.mark.parametrize("dotted,value", TEMPLATE_FIELDS + PLAN_FIELDS)
