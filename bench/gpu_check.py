@@ -4,7 +4,7 @@
 fused aggregated step model, and a prefill/decode pair handing KV over through a vLLM KV connector. Prints a
 table and writes bench/results/gpu_check.json.
 
-The fused step model is `simulator.latency.fused_step_ms` (branch h-rules; the aggregated T̂ of
+The fused step model is `profiles.stage_times.fused_step_ms` (branch h-rules; the aggregated T̂ of
 `templates/throughput.py` prices steps with it). Where this checkout lacks it, the `fused` rows say so and hold
 the measured times alone (`fused_model_ms_per_layer` is the hook: null until the model is there)."""
 
@@ -199,7 +199,7 @@ from coral_dagster.catalog.models import get_model
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.profiles import default_perf_model
 try:
-    from coral_dagster.simulator.latency import ProfileStage, fused_step_ms
+    from coral_dagster.profiles.stage_times import ProfileStage, fused_step_ms
 except ImportError as exc:
     print(json.dumps({{"error": f"fused step model not in this checkout: {{exc}}"}}))
     raise SystemExit(0)

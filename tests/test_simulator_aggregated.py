@@ -14,7 +14,8 @@ from coral_dagster.catalog.models import get_model
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.simulator.engine import OK, Engine
-from coral_dagster.simulator.latency import ProfileLatencyModel, ProfileStage, fused_step_ms
+from coral_dagster.profiles.stage_times import ProfileStage, fused_step_ms
+from coral_dagster.simulator.latency import ProfileLatencyModel
 from coral_dagster.simulator.reach import template_reach
 from coral_dagster.simulator.workload import Workload
 from coral_dagster.templates.best import best_for_nodes

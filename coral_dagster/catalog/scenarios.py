@@ -502,8 +502,7 @@ def _sources_digest(traces: tuple[str, ...]) -> str:
     """A digest of the data files templates are computed from: GPU and model catalogs, the performance model's
     fit and measured tables, and the traces whose request lengths shape the workloads."""
     from coral_dagster.catalog.traces import TRACE_FILES
-    from coral_dagster.profiles.fit import FIT_FILE
-    from coral_dagster.profiles.measured import MEASURED_FILES
+    from coral_dagster.paths import FIT_FILE, MEASURED_FILES
 
     files = [paths.CATALOG_DIR / "gpus.yaml", paths.CATALOG_DIR / "models.yaml", paths.PROFILES_DIR / FIT_FILE,
              *(paths.PROFILES_DIR / f for f in MEASURED_FILES), *(paths.TRACES_DIR / TRACE_FILES[t] for t in traces)]

@@ -176,16 +176,10 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
 
 
 def _harness():
-    """The allocation bench harness: `bench/allocation_harness.py` of this checkout (benches live in the repo)."""
-    import sys
+    """The allocation bench (`coral_dagster.app.allocation_bench`), imported when a bench command runs."""
+    from coral_dagster.app import allocation_bench
 
-    from coral_dagster import paths
-
-    if str(paths.REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(paths.REPO_ROOT))
-    import bench.allocation_harness as harness
-
-    return harness
+    return allocation_bench
 
 
 def print_bench(doc: dict) -> None:

@@ -15,7 +15,7 @@ iterations, and a later chunk attends to the KV cache of the prompt's earlier on
 model), so the chunks of a prompt cost the whole prompt's attention plus the rest of the layer once per pass. An
 iteration first takes its running decode sequences, then fills the rest of the token budget (decode tokens count
 in it, vLLM's `max_num_batched_tokens`) with prompt chunks, oldest first, and runs them as one forward pass
-(`latency.fused_step_ms`: the weights are read once), as vLLM's V1 scheduler does.
+(`profiles.stage_times.fused_step_ms`: the weights are read once), as vLLM's V1 scheduler does.
 
 KV cache follows vLLM's paged allocation: every worker of a pipeline gets the KV capacity of the smallest (vLLM
 unifies KV blocks per worker to the minimum over its workers; `_limit_context`); a sequence holds its current
@@ -56,7 +56,8 @@ from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
 from coral_dagster.routing import Admission, Candidate, Router, instance_weight
-from coral_dagster.simulator.latency import LatencyModel, fused_step_ms
+from coral_dagster.profiles.stage_times import fused_step_ms
+from coral_dagster.simulator.latency import LatencyModel
 from coral_dagster.simulator.workload import Workload
 
 # Completions first (they free KV and nodes), then transfers landing, then new requests, then idle nodes waking.

@@ -59,7 +59,7 @@ Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.
 step of a node runs its B running sequences (one decode token each) and up to M − B prompt tokens of waiting
 prompts in one forward pass (vLLM's V1 scheduler: running requests first, then waiting ones chunked to what is left
 of the token budget M = `max_num_batched_tokens`, at most `MAX_NUM_SEQS` sequences), so the weights are read once:
-`simulator.latency.fused_step_ms` prices it as the decode iteration plus what the chunk adds to a pass over B tokens
+`profiles.stage_times.fused_step_ms` prices it as the decode iteration plus what the chunk adds to a pass over B tokens
 (`fused_step_table`, per layer, chunks of prompts of `prefill_seq_tokens`). The per-token SLO bounds a request's
 mean TPOT, not every step, so the rule works with the mean step: requests leave as fast as they enter, so a step
 must take B·P/D prompt tokens on average (P, D the mean prompt and output); steps that take a chunk of M − B
@@ -350,11 +350,11 @@ def _kv_tokens(perf, spec, node: NodeConfig, layers: int) -> float:
 
 
 def fused_step_table(perf, spec, node: NodeConfig, w: Workload) -> np.ndarray:
-    """Milliseconds per layer of fused aggregated steps on `node` (`simulator.latency.fused_step_ms`, the engine's
+    """Milliseconds per layer of fused aggregated steps on `node` (`profiles.stage_times.fused_step_ms`, the engine's
     price): row i holds `AGGREGATED_BATCHES[i]` decode sequences (at least one) at the mean decode context, column k adds
     `AGGREGATED_CHUNKS[k]` prompt tokens, chunks of prompts of `prefill_seq_tokens` (a chunk c shorter than the
     prompt has (P − c)/2 of it cached before it on average)."""
-    from coral_dagster.simulator.latency import ProfileStage, fused_step_ms
+    from coral_dagster.profiles.stage_times import ProfileStage, fused_step_ms
 
     lat = ProfileStage(perf, spec, node, 1, math.inf)
     ctx, prompt = w.decode_context_tokens, w.prefill_seq_tokens
@@ -496,11 +496,11 @@ def _decode_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stag
 def _chunked_tokens_per_s(perf, spec, node: NodeConfig, layers: int, prompt_tokens: int, chunk_tokens: int,
                           send: float | None) -> float:
     """Tokens/s of prompts of `prompt_tokens` prefilled in chunks of `chunk_tokens`, each later chunk attending to
-    the earlier ones (`simulator.latency.ProfileStage.prompt_ms`, the engine's price), plus sending the activations;
+    the earlier ones (`profiles.stage_times.ProfileStage.prompt_ms`, the engine's price), plus sending the activations;
     infinite for a perf model without per-layer prefill times (the T̂ batch then stands alone)."""
     if not hasattr(perf, "prefill_ms_per_layer"):
         return math.inf
-    from coral_dagster.simulator.latency import ProfileStage
+    from coral_dagster.profiles.stage_times import ProfileStage
 
     ms = ProfileStage(perf, spec, node, layers, math.inf).prompt_ms(prompt_tokens, max(chunk_tokens, 1))
     if send:
