@@ -267,7 +267,8 @@ def pd_pair() -> dict:
         return {"connector": CONNECTOR, "error": repr(exc)}
     want = list(generate("tiny-llama", text, 16, ignore_eos=True).tokens)
     return {"connector": CONNECTOR, "prompt_tokens": len(prompt), "decode_cached_tokens": cached,
-            "kv_loaded": bool(cached), "first_token_identical": first == want[:1], "tokens_identical": tokens == want}
+            "kv_loaded": bool(cached), "first_token_identical": first == want[:1], "tokens_identical": tokens == want,
+            "decode_tokens": tokens, "torch_tokens": want}
 
 
 def main() -> None:
