@@ -255,7 +255,7 @@ def pd_pair() -> dict:
         tokens, cached = [], None
         while llm.has_unfinished_requests():
             for o in llm.step():
-                tokens += list(o.outputs[0].token_ids)
+                tokens = list(o.outputs[0].token_ids)  # cumulative: every token so far
                 cached = o.num_cached_tokens if o.num_cached_tokens is not None else cached
         del llm
         return tokens, cached
