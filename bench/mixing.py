@@ -2,10 +2,11 @@
 (≥ 2 GPU types) beside the best homogeneous one (one GPU type, any node count), in the region where each is
 cheapest, with what bounds each (compute, memory, SLO, network).
 
-Templates come from the stored library (`coral templates build --scenario S` first), prices from the scenario's
-bundled market snapshot. A ratio above 1 is what the mixed space adds to the homogeneous one before availability
-binds; under scarcity the ILP's gain also comes from using more kinds of nodes at once. Prints a table and writes
-bench/results/mixing.json.
+Templates come from the stored library (`coral templates build --scenario S` first), prices and availability from
+the scenario's market at window 0 (data/scenarios/MARKET.md): a template counts in a region only when the region
+sells each of its nodes (its menu) and has as many of each as one replica needs (its availability). A ratio above
+1 is what the mixed space adds to the homogeneous one for one replica; how many replicas availability allows, and
+what the ILP gains from it, is `bench.heterogeneity`'s map. Prints a table and writes bench/results/mixing.json.
 
     python -m bench.mixing [--scenarios core,extended,helix]
 """
@@ -25,10 +26,11 @@ RESULTS = Path(__file__).resolve().parent / "results" / "mixing.json"
 
 
 def per_dollar(template, market) -> tuple[float, str, float]:
-    """(tokens/s per $/h, region, $/h) of the template in the region where it is cheapest (0 when sold nowhere)."""
+    """(tokens/s per $/h, region, $/h) of the template in the region where it is cheapest among those that sell
+    and have its nodes (0 when none does)."""
     best = (0.0, "-", math.inf)
     for region in market.regions:
-        if not all(market.offer(region, n) for n, _ in template.nodes.counts):
+        if not all(market.offer(region, n) and k <= market.availability(region, n) for n, k in template.nodes.counts):
             continue
         usd = sum(k * market.price(region, n) for n, k in template.nodes.counts)
         if usd > 0 and template.tokens_per_s / usd > best[0]:
@@ -39,7 +41,7 @@ def per_dollar(template, market) -> tuple[float, str, float]:
 def mixing_rows(scenario_name: str, store: Store) -> list[dict]:
     """One row per (model, phase) of the scenario's library: best mixed vs best homogeneous tokens/s per $."""
     scn = load_scenario(scenario_name)
-    market = scn.market()
+    market = scn.market(window=0)
     best: dict[tuple[str, str, bool], tuple[float, object, str, float]] = {}
     for t in load_library(store, scn):
         if t.tokens_per_s <= 0:

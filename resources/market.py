@@ -1,6 +1,8 @@
-"""Market feeds: where price and availability snapshots come from (bundled snapshot here, SkyPilot's live catalog)."""
+"""Market feeds: where price and availability snapshots come from (bundled snapshot here, SkyPilot's live catalog).
+Both take availability from the scenario in the window of its series that now falls in (data/scenarios/MARKET.md)."""
 
 from abc import ABC, abstractmethod
+from datetime import datetime, timezone
 from pathlib import Path
 
 import dagster as dg
@@ -23,7 +25,7 @@ class BundledMarketFeed(MarketFeed):
     """The price snapshot shipped under `data/prices/` (SkyPilot catalog v8 rows, read 2026-11-29)."""
 
     def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
-        return scenario.market(availability_scale)
+        return scenario.market(availability_scale, taken_at=_now())
 
 
 class SkyPilotCatalogFeed(MarketFeed):
@@ -34,4 +36,8 @@ class SkyPilotCatalogFeed(MarketFeed):
     def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
         root = Path(self.catalog_dir).expanduser()
         build = build_node_prices(root / "aws" / "vms.csv", root / "gcp" / "vms.csv")
-        return scenario.market(availability_scale, prices=build.prices)
+        return scenario.market(availability_scale, prices=build.prices, taken_at=_now())
+
+
+def _now() -> datetime:
+    return datetime.now(timezone.utc).replace(microsecond=0)

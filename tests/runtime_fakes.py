@@ -74,3 +74,13 @@ class FakeScheduler:
                             wire.send(sock, reply)
         sock.close()
         ctx.term()
+
+
+def decoding(c, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """Submit `prompt` on client `c` and wait until three tokens streamed; returns (tag, its instance)."""
+    tag = c.submit(model, prompt, max_tokens=max_tokens, ignore_eos=True)
+    accepted = c.next_event({tag})
+    assert accepted["kind"] == "accepted"
+    for _ in range(3):
+        assert c.next_event({tag})["kind"] == "token"
+    return tag, accepted["instances"]["aggregated"]

@@ -111,7 +111,8 @@ TEMPLATE_FIELDS = [("models.0.prefill_slo_ms", 1700), ("models.0.decode_slo_ms",
                    ("templates.slo_margin", 0.8), ("link_gbps", 25), ("gpus", ["L40S", "L4"]),
                    ("gpus_per_node", [1, 2, 4])]
 PLAN_FIELDS = [("models.0.rate_req_s", 99), ("allocation.headroom", 2), ("regions", ["aws:us-east-2"]),
-               ("availability.default_nodes", 3), ("name", "renamed"), ("description", "other words")]
+               ("availability.base_nodes", 3), ("availability.series", {"window_min": 5, "multipliers": [1, 0]}),
+               ("name", "renamed"), ("description", "other words")]
 
 
 @pytest.mark.parametrize("dotted,value", TEMPLATE_FIELDS + PLAN_FIELDS)
@@ -181,7 +182,7 @@ def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):
     assert find_plan(store, "core") is None  # the bundled core has no plan here
     # Each plan was sized from its own file: demand over its capacity factor is rate × the trace's mean tokens.
     key = ("phi-4", "decode")
-    per_rate = [p.demand_tokens_per_s[key] / p.capacity_factors[key] / s.models[0].rate_req_s
+    per_rate = [p.demand_tokens_per_s[key] / p.admission.capacity_factors[key] / s.models[0].rate_req_s
                 for p, s in ((pa, a), (pb, b))]
     assert per_rate[0] == pytest.approx(per_rate[1])
     assert scenario_of(store, pa).path == str(one.resolve()) and scenario_of(store, pb).path == str(two.resolve())

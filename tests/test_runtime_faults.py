@@ -10,6 +10,7 @@ from coral_dagster.runtime.client import FINAL, Client
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, local_instances
+from runtime_fakes import decoding
 
 pytest.importorskip("torch")
 
@@ -27,12 +28,7 @@ def _final(c: Client, tag: str) -> dict:
 
 def _start_long(c: Client, max_tokens: int) -> tuple[str, str]:
     """Submit the long request and wait until it is decoding; returns (tag, its instance)."""
-    tag = c.submit(MODEL, LONG, max_tokens=max_tokens, ignore_eos=True)
-    accepted = c.next_event({tag})
-    assert accepted["kind"] == "accepted"
-    for _ in range(3):
-        assert c.next_event({tag})["kind"] == "token"
-    return tag, accepted["instances"]["aggregated"]
+    return decoding(c, MODEL, LONG, max_tokens)
 
 
 def _wait(predicate, timeout_s: float, poll_s: float = 0.05) -> float:

@@ -89,7 +89,7 @@ def test_scheduler_spreads_a_stage_over_its_nodes_by_share():
         deadline = time.monotonic() + 10
         while sum(hits.values()) < 30 and time.monotonic() < deadline:
             for name, (ctl, data) in nodes.items():
-                for _, h, (tokens,) in wire.drain(data):
+                for _, h, (tokens,) in wire.drain(data, tensors=True):
                     assert h["kind"] == "forward" and tokens.tolist() == [1, 2]
                     hits[name] += 1
                     wire.send(ctl, {"kind": "token", "node": name, "rid": h["rid"], "token": 7, "pos": 2})

@@ -157,6 +157,33 @@ def test_a_killed_engine_is_restarted_and_its_instance_serves_again(tmp_path):
         assert (tmp_path / f"{victim}.log").read_text().count(f"engine {victim} layers 0:12") == 2
 
 
+def _ppid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_killing_the_fork_server_stops_no_role_and_restarts_still_work(tmp_path):
+    with LocalDeployment(MODEL, local_instances((12,), 2), timing=FAST, log_dir=tmp_path, backoff_s=0.1) as dep:
+        dep.wait_ready(60)
+        roles = {n: p.pid for n, p in dep.procs.items()}
+        forkserver = _ppid(roles["coordinator"])
+        assert forkserver != os.getpid() and _ppid(roles["agg-0.s0.n0"]) == forkserver
+        os.kill(forkserver, signal.SIGKILL)
+        wait_for(lambda: gone(forkserver), 10, "the fork server gone")
+        with dep.client(timeout_s=30) as c:
+            done = c.complete(MODEL, ["still here"] * 4, max_tokens=3)
+            assert all(e["kind"] == "done" for e in done)
+            # Every role still runs, as the same process: none was read as exited and stopped or restarted.
+            assert {n: p.pid for n, p in dep.procs.items()} == roles and all(dep.alive(n) for n in roles)
+            assert not any(gone(pid) for pid in roles.values()) and dep.restarts == {}
+            # A role that dies now is still restarted (through a new fork server).
+            dep.kill("agg-1.s0.n0")
+            wait_for(lambda: dep.restarts == {"agg-1.s0.n0": 1} and dep.alive("agg-1.s0.n0"), 30,
+                     "the killed engine restarted")
+            c.wait_ready(2, timeout_s=30)
+            assert all(e["kind"] == "done" for e in c.complete(MODEL, ["again"] * 4, max_tokens=3))
+
+
 def _serve(*args: str, keys_env: dict[str, str]) -> subprocess.Popen:
     """`coral serve …` as the SkyPilot tasks run it: a process of its own, its output to files."""
     env = {**os.environ, **keys_env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(paths.REPO_ROOT)}

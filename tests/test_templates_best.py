@@ -125,6 +125,12 @@ class LinearPerf:
     def max_layers(self, model, node) -> int:
         return self.fits
 
+    def prefill_ms_per_layer(self, model, node, tokens, seq_tokens=None) -> float:
+        return self.a * tokens
+
+    def decode_ms_per_layer(self, model, node, batch, context_tokens) -> float:
+        return self.b * batch
+
     def t_hat(self, model, node, phase, layers, budget_ms, context_tokens=0, send_gbps=None, *, resident_batches=1):
         self.calls.append((str(node), phase, layers, budget_ms, send_gbps))
         per = layers * (self.a if phase == "prefill" else self.b)
@@ -162,9 +168,14 @@ def test_aggregated_table_obeys_both_slos_and_cannot_beat_pure_phases():
                 assert p.stage_ms <= slot + 1e-9  # prefill chunk + decode step fit the per-token slot
                 # Prompts queue at under the slot's prefill rate: the first token still has a slot per stage.
                 assert s * slot < 1200
-    # A prefill bound no pipeline can meet leaves nothing.
-    tight = build_tables(Workload("phi-4", "aggregated", 60, 1155, 211, 59), nodes, 2, perf)
-    assert all(tight.tokens_per_s[s].max() == 0 for s in (1, 2))
+    # A prefill bound below the prompt's own prefill time (j·a ms per prompt token, however it is chunked) leaves
+    # nothing; far above it, something.
+    tight = build_tables(Workload("phi-4", "aggregated", 60, 1155, 211, 100), nodes, 2, perf)
+    for s in (1, 2):
+        for j in (1, 9, 20, 40):
+            if j * perf.a * 1155 >= 100:
+                assert tight.point(s, nodes[0], j).tokens_per_s == 0, (s, j)
+        assert tight.point(s, nodes[0], 1).tokens_per_s > 0
 
 
 def test_zero_share_nodes_and_infeasible_multisets():

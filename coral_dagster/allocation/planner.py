@@ -9,9 +9,10 @@ from typing import Mapping, Sequence
 from coral_dagster.allocation import colgen, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
-from coral_dagster.allocation.types import Bottleneck, Method, PlannedInstance, Plan, Scarcity, SolveStatus
+from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
+from coral_dagster.vocab import Method, SolveStatus
 
 # Share of the time limit a Coral solve first spends on its homogeneous columns alone (their plan starts the solve).
 HOMOGENEOUS_START_SHARE = 0.25
@@ -55,7 +56,7 @@ def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, 
                 notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=mip_bound,
                 bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
                 scenario_key=problem.scenario_key,
-                timings_s=dict(timings or {}), capacity_factors=dict(problem.capacity_factors))
+                timings_s=dict(timings or {}), admission=AdmissionLimits(capacity_factors=dict(problem.capacity_factors)))
 
 
 def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[PlannedInstance]:
@@ -212,7 +213,7 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
             if m is not None and share > 0 and rate > 0:
                 rate, share = float(rate), float(share)
                 depth[model] = admission_depth_req(m.trace, rate, share, rate * share)
-                capacity = {p: served.get((model, p), 1.0) * plan.capacity_factors.get((model, p), 1.0)
+                capacity = {p: served.get((model, p), 1.0) * plan.admission.capacity_factors.get((model, p), 1.0)
                             for p in ("prefill", "decode")}
                 carried = rate * min(capacity.values())
                 phases = ((p, float(slo), capacity[p]) for p, slo in (("prefill", m.prefill_slo_ms),
@@ -220,4 +221,5 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
                 peak[model] = peak_bucket(m.trace, rate, rate * share, depth[model], carried,
                                           admission_depth_req(m.trace, rate, share, carried), tuple(phases),
                                           float(m.slo_margin), float(m.attainment_target))
-    return replace(plan, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak) if admit else plan
+    return replace(plan, admission=replace(plan.admission, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak)) \
+        if admit else plan

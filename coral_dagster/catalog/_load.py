@@ -11,16 +11,47 @@ import yaml
 from coral_dagster.errors import CatalogError
 
 
+# Catalog and scenario files are tens of kilobytes; a bound far above them keeps a wrong path from being read whole.
+MAX_YAML_BYTES = 64 << 20
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases: `*name` references would let a few lines stand for billions of values
+    (a "billion laughs" document), and Coral's files never need them."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"alias *{event.anchor} (aliases are not allowed)",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def read_yaml(path: Path) -> Any:
-    """Read a YAML file, turning syntax errors into a `CatalogError` with the line."""
+    """Read a YAML file, turning a missing or unreadable file, text that is not UTF-8, syntax errors, aliases and
+    nesting too deep to read into a `CatalogError` with the line."""
     try:
-        return yaml.safe_load(path.read_text())
+        size = path.stat().st_size
+        if size > MAX_YAML_BYTES:
+            raise CatalogError(path, "-", "-", f"file of {size} bytes exceeds {MAX_YAML_BYTES}",
+                               "pass the scenario or catalog file itself")
+        text = path.read_bytes().decode("utf-8")
+        return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader without aliases
     except FileNotFoundError:
         raise CatalogError(path, "-", "-", "file not found", "restore it from the repository or pass another path")
+    except IsADirectoryError:
+        raise CatalogError(path, "-", "-", "is a directory, not a file", "pass the YAML file inside it")
+    except PermissionError:
+        raise CatalogError(path, "-", "-", "cannot be read (permission denied)", "make it readable or copy it")
+    except UnicodeDecodeError as exc:
+        raise CatalogError(path, "-", "-", f"is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+                           f"{exc.start})", "save the file as UTF-8") from None
+    except RecursionError:
+        raise CatalogError(path, "-", "-", "nests too deep to read", "flatten the document") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         row = mark.line + 1 if mark else "?"
-        raise CatalogError(path, row, "-", f"invalid YAML ({exc})", "fix the syntax on that line")
+        raise CatalogError(path, row, "-", f"invalid YAML ({exc})", "fix the syntax on that line") from None
 
 
 def rows_of(doc: Any, key: str, path: Path) -> list[dict]:

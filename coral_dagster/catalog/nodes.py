@@ -12,6 +12,9 @@ from coral_dagster.errors import CoralError
 _NODE_RE = re.compile(r"^(?P<gpu>[A-Za-z0-9][A-Za-z0-9-]*):(?P<count>\d+)$")
 _ITEM_RE = re.compile(r"^(?:(?P<n>\d+)x)?(?P<node>[^,\s]+)$")
 GPUS_PER_NODE = (1, 2, 4, 8)
+# Most nodes one multiset may hold: a template has at most `scenarios.MAX_N_MAX` (8); room for hand-written lists,
+# and a bound that keeps `nodes()` and every search over a multiset finite.
+MAX_MULTISET_NODES = 256
 
 
 @dataclass(frozen=True, order=True)
@@ -32,9 +35,9 @@ class NodeConfig:
     def parse(cls, text: str) -> "NodeConfig":
         """Parse `GPU:count`, e.g. `L40S:1`."""
         m = _NODE_RE.match(text.strip())
-        if not m:
+        if not m or len(m["count"]) > 3:
             raise CoralError(
-                f"cannot read node configuration {text!r}.", "write it as GPU:count, e.g. L40S:1 or H100:8."
+                f"cannot read node configuration {text[:80]!r}.", "write it as GPU:count, e.g. L40S:1 or H100:8."
             )
         return cls(m["gpu"], int(m["count"]))
 
@@ -62,9 +65,16 @@ class NodeMultiset:
             m = _ITEM_RE.match(item)
             if not m:
                 raise CoralError(f"cannot read node item {item!r}.", "write nodes as 3xL40S:1,2xH100:2.")
-            counts[NodeConfig.parse(m["node"])] += int(m["n"] or 1)
+            # Digits are read only up to the bound's length, so a count of a million digits costs nothing.
+            n = int(m["n"]) if m["n"] and len(m["n"]) <= 6 else (MAX_MULTISET_NODES + 1 if m["n"] else 1)
+            if n < 1:
+                raise CoralError(f"node item {item!r} has a count of 0.", "give each node type a count of 1 or more.")
+            counts[NodeConfig.parse(m["node"])] += n
+            if sum(counts.values()) > MAX_MULTISET_NODES:
+                raise CoralError(f"node list {text[:80]!r} holds more than {MAX_MULTISET_NODES} nodes.",
+                                 f"list at most {MAX_MULTISET_NODES} nodes (templates hold a handful).")
         if not counts:
-            raise CoralError(f"node list {text!r} is empty.", "name at least one node, e.g. 2xL4:1.")
+            raise CoralError(f"node list {text[:80]!r} is empty.", "name at least one node, e.g. 2xL4:1.")
         return cls.of(counts)
 
     def nodes(self) -> Iterator[NodeConfig]:

@@ -327,9 +327,18 @@ def load_node_prices() -> pd.DataFrame:
     if not user.is_file():
         raise CatalogError(user, "-", "-", "price file not found (named by CORAL_PRICES or --prices)",
                            "give the path of a CSV with columns " + ", ".join(USER_PRICE_COLUMNS))
-    stat = user.stat()
-    return _user_prices(user.resolve(), stat.st_mtime_ns, stat.st_size).copy()
+    return read_price_file(user)
 
+
+def read_price_file(path: Path) -> pd.DataFrame:
+    """A price file in the user format (USER_PRICE_COLUMNS; e.g. data/prices/paper_normalised.csv), checked and
+    cached per file version; callers get their own copy."""
+    stat = path.stat()
+    return _user_prices(path.resolve(), stat.st_mtime_ns, stat.st_size).copy()
+
+
+#: The paper's normalised per-GPU prices as a price file (data/prices/SOURCES.md).
+PAPER_PRICES = paths.DATA_DIR / "prices" / "paper_normalised.csv"
 
 USER_PRICE_COLUMNS = ("region", "node", "instance_type", "usd_per_hour")
 _USER_OPTIONAL = ("spot_usd_per_hour", "zones")

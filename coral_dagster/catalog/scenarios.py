@@ -6,27 +6,29 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import asdict, dataclass, field as dataclass_field
+from dataclasses import asdict, dataclass, field as dataclass_field, replace
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
 
 from coral_dagster import paths
 from coral_dagster.catalog._load import field, read_yaml, rows_of, check_unique
+from coral_dagster.catalog.availability import PROFILES, Availability, Series
 from coral_dagster.catalog.gpus import gpu_catalog
 from coral_dagster.catalog.market import REGION_RE, MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
-from coral_dagster.templates.engines import SERVING_ENGINES
-from coral_dagster.templates.types import T_HAT_RULES
+from coral_dagster.vocab import SERVING_ENGINES, T_HAT_RULE_NAMES, T_HAT_RULE_VERSIONS
 
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
 TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "nodes", "link_gbps", "models", "engine",
                       "availability", "templates", "allocation"})
 MODEL_KEYS = frozenset({"model", "base", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
-TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin"})
-AVAILABILITY_KEYS = frozenset({"default_nodes", "nodes"})
+TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "t_hat_rule"})
+AVAILABILITY_KEYS = frozenset({"profile", "default_nodes", "base_nodes", "gpu_factors", "size_factors", "nodes",
+                               "series"})
+SERIES_KEYS = frozenset({"window_min", "multipliers", "gpus"})
 ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
 # Bounds of the scenario format: wide enough for any real setting, tight enough that a typo cannot make a plan
 # silently meaningless (an SLO of a day, a billion requests per second) or a library build that never ends.
@@ -38,6 +40,8 @@ MAX_RHO = 100.0
 MAX_HEADROOM = 10.0
 MAX_MINUTES = 1440.0
 MAX_LINK_GBPS = 10_000.0
+MAX_FACTOR = 100.0  # an availability factor or multiplier: 100× the mid-tier 1-GPU count is already no constraint
+MAX_WINDOWS = 10_080  # a week of 1-minute windows
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -77,8 +81,7 @@ class Scenario:
     regions: tuple[str, ...]
     node_configs: tuple[NodeConfig, ...]
     models: tuple[ScenarioModel, ...]
-    default_nodes: int
-    available_nodes: tuple[tuple[str, NodeConfig, int], ...]
+    availability_model: Availability
     n_max: int
     rho: float
     headroom: float
@@ -88,19 +91,22 @@ class Scenario:
     path: str = dataclass_field(default="", compare=False)
     # What runs the instances: Coral's runtime (every template) or vLLM (templates/engines.py says which).
     engine: str = "coral"
+    # The rule T̂ is computed by (`vocab.T_HAT_RULE_NAMES`): `slo` (ours) or `paper`.
+    t_hat_rule: str = "slo"
 
     @property
     def library_key(self) -> str:
         """What the template library depends on, as a digest: the models with their SLOs, traces and margins, the
         node configurations, n_max, ρ, the link, the data files templates are computed from and the version of
-        T̂'s rules (`templates.types.T_HAT_RULES`). Libraries are
+        the T̂ rule in use (`vocab.T_HAT_RULE_VERSIONS`: the `slo` rule's key is what it was before rules could be
+        chosen). Libraries are
         stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
         settings = {
             "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
                               m.attainment_target, *([m.base] if m.base != m.model else [])] for m in self.models),
             "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
             "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
-            "rules": T_HAT_RULES,
+            "rules": T_HAT_RULE_VERSIONS[self.t_hat_rule],
         }
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -109,7 +115,8 @@ class Scenario:
         """What a plan of this scenario depends on besides the market, as a digest: its name, every field but the
         description, the file path and the engine (chosen per plan, recorded in its inputs), and the library key.
         Plans and demand and market snapshots are stored under it, so "latest" never crosses two scenario files."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("description", "path", "engine")}
+        settings = {k: v for k, v in asdict(self).items()
+                    if k not in ("description", "path", "engine", "t_hat_rule")}  # the library key has the rule
         # A model served as itself keeps the key it had before served models existed (stored plans stay found).
         settings["models"] = [{k: v for k, v in m.items() if k != "base" or v != m["model"]}
                               for m in settings["models"]]
@@ -130,15 +137,25 @@ class Scenario:
                 return m
         raise UnknownNameError(f"model in scenario {self.name}", alias, [m.model for m in self.models])
 
-    def availability(self, region: str, node: NodeConfig) -> int:
-        """Nodes of `node` the scenario allows in `region` (before any scaling)."""
-        for r, n, k in self.available_nodes:
-            if r == region and n == node:
-                return k
-        return self.default_nodes
+    @property
+    def default_nodes(self) -> int:
+        """Nodes of every configuration under the uniform profile."""
+        return self.availability_model.default_nodes
 
-    def market(self, availability_scale: float = 1.0, prices=None, taken_at: datetime | None = None) -> MarketSnapshot:
-        """Price and availability snapshot: the bundled prices of the scenario's regions and node configurations."""
+    @property
+    def available_nodes(self) -> tuple[tuple[str, NodeConfig, int], ...]:
+        """(region, node, count) the scenario pins, whatever its profile."""
+        return self.availability_model.nodes
+
+    def availability(self, region: str, node: NodeConfig, window: int = 0) -> int:
+        """Nodes of `node` the scenario allows in `region` in one window of its series (before any scaling)."""
+        return self.availability_model.count(region, node, window)
+
+    def market(self, availability_scale: float = 1.0, prices=None, taken_at: datetime | None = None,
+               window: int | None = None) -> MarketSnapshot:
+        """Price and availability snapshot: the bundled prices of the scenario's regions and node configurations,
+        availability in `window` of the scenario's series (default: the window `taken_at` falls in, window 0 when
+        no moment is given, so a plan made now without a feed plans at the series' first window)."""
         from coral_dagster.catalog.prices import load_node_prices
 
         if not (isinstance(availability_scale, (int, float)) and math.isfinite(availability_scale)
@@ -146,12 +163,13 @@ class Scenario:
             raise CoralError(f"availability scale {availability_scale!r} is not a finite number of at least 0.",
                              "give a factor such as 1 (as listed) or 0.5 (half the nodes).")
         table = load_node_prices() if prices is None else prices
+        window = self.availability_model.window_at(taken_at) if window is None else window
         offers = []
         for row in table.itertuples(index=False):
             node = NodeConfig.parse(row.node)
             if row.region not in self.regions or node not in self.node_configs:
                 continue
-            available = int(self.availability(row.region, node) * availability_scale)
+            available = int(self.availability(row.region, node, window) * availability_scale)
             spot = None if row.spot_usd_per_hour != row.spot_usd_per_hour else float(row.spot_usd_per_hour)
             offers.append(Offer(row.region, node, row.instance_type, float(row.usd_per_hour), spot, available))
         unpriced = [r for r in self.regions if not any(o.region == r for o in offers)]
@@ -162,7 +180,8 @@ class Scenario:
                              "that prices them).")
         taken_at = taken_at or datetime.now(timezone.utc).replace(microsecond=0)
         key = self.scenario_key
-        snapshot_id = f"{self.name}-{key[:8]}-{taken_at:%Y%m%dT%H%M%S}-x{availability_scale:g}"
+        series = f"-w{window}" if self.availability_model.series else ""
+        snapshot_id = f"{self.name}-{key[:8]}-{taken_at:%Y%m%dT%H%M%S}-x{availability_scale:g}{series}"
         return MarketSnapshot(snapshot_id, taken_at, tuple(sorted(offers, key=lambda o: (o.region, o.node))), key)
 
 
@@ -218,6 +237,10 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     catalog = model_catalog()
     tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
     margins = {"slo_margin": _number(tpl, "slo_margin", path, "templates", 1.0, 0.0, 1.0, low_open=True)}
+    t_hat_rule = tpl.get("t_hat_rule", "slo")
+    if t_hat_rule not in T_HAT_RULE_NAMES:
+        raise CatalogError(path, "templates", "t_hat_rule", f"unknown T̂ rule {t_hat_rule!r}",
+                           f"use one of {', '.join(T_HAT_RULE_NAMES)} (paper: the paper's per-stage rule; slo: ours)")
     rows = rows_of(doc, "models", path)
     if not rows:
         raise CatalogError(path, "-", "models", "the list is empty", "list at least one model (see core.yaml)")
@@ -242,8 +265,78 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
                                     **margins, attainment_target=_attainment_target(r, path, i), base=base))
     check_unique([m.model for m in models], path, "model")
     check_unique(regions, path, "regions")
+    supply = _availability(doc, path, regions, node_configs)
+    alloc = _section(doc, "allocation", ALLOCATION_KEYS, path)
+    link = doc.get("link_gbps")
+    engine = doc.get("engine", "coral")
+    if engine not in SERVING_ENGINES:
+        raise CatalogError(path, "-", "engine", f"unknown serving engine {engine!r}",
+                           f"use one of {', '.join(SERVING_ENGINES)}")
+    return Scenario(
+        name=name,
+        description=description,
+        regions=tuple(regions),
+        node_configs=node_configs,
+        models=tuple(models),
+        availability_model=supply,
+        n_max=int(_number(tpl, "n_max", path, "templates", 6, 1, MAX_N_MAX, integer=True)),
+        rho=_number(tpl, "rho", path, "templates", 12.0, 1.0, MAX_RHO),
+        headroom=_number(alloc, "headroom", path, "allocation", 1.1, 1.0, MAX_HEADROOM),
+        replan_interval_min=_number(alloc, "replan_interval_min", path, "allocation", 6.0, 0.0, MAX_MINUTES,
+                                    low_open=True),
+        node_startup_min=_number(alloc, "node_startup_min", path, "allocation", 10.0, 0.0, MAX_MINUTES),
+        link_gbps=None if link is None else _number(doc, "link_gbps", path, "-", ..., 0.0, MAX_LINK_GBPS,
+                                                    low_open=True),
+        path=str(path),
+        engine=engine,
+        t_hat_rule=t_hat_rule,
+    )
+
+
+def _served_model(name: str, base: str, path: Path, where: str) -> None:
+    """A served model's entry: a name of its own (a scenario name, not a catalog model's) over a catalog base."""
+    from coral_dagster.catalog.models import declare_served
+
+    if not _NAME.match(name):
+        raise CatalogError(path, where, "model", f"{name!r} is not a served model name",
+                           "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
+    try:
+        declare_served(name, base, str(path))
+    except CoralError as exc:
+        raise CatalogError(path, where, "base", exc.problem.rstrip("."), exc.fix) from None
+
+
+def _availability(doc: dict, path: Path, regions: list[str], node_configs: tuple[NodeConfig, ...]) -> Availability:
+    """The `availability` section: a profile (data/scenarios/MARKET.md), pinned counts and a series, each checked."""
     avail = _section(doc, "availability", AVAILABILITY_KEYS, path)
-    default_nodes = int(_number(avail, "default_nodes", path, "availability", 16, 0, MAX_NODES, integer=True))
+    profile = avail.get("profile", "uniform")
+    if profile not in PROFILES:
+        raise CatalogError(path, "availability", "profile", f"unknown availability profile {profile!r}",
+                           f"use one of {', '.join(PROFILES)} (data/scenarios/MARKET.md)")
+    for key in ("base_nodes", "gpu_factors", "size_factors") if profile == "uniform" else ("default_nodes",):
+        if key in avail:
+            raise CatalogError(path, "availability", key, f"does not apply to profile {profile!r}",
+                               "give default_nodes with profile uniform; base_nodes, gpu_factors and size_factors "
+                               "with profile market")
+    gpus = sorted({n.gpu for n in node_configs})
+    model = Availability(profile=profile, default_nodes=int(_number(avail, "default_nodes", path, "availability", 16,
+                                                                    0, MAX_NODES, integer=True)))
+    if profile == "market":
+        gpu_factors = dict(model.gpu_factors)
+        for gpu, f in _factors(avail, "gpu_factors", path).items():
+            if gpu not in gpus:
+                raise CatalogError(path, "availability", f"gpu_factors/{gpu}", "not a GPU of the scenario",
+                                   f"use one of {', '.join(gpus)}")
+            gpu_factors[gpu] = f
+        size_factors = dict(model.size_factors)
+        for size, f in _factors(avail, "size_factors", path).items():
+            if size not in {str(k) for k in GPUS_PER_NODE}:
+                raise CatalogError(path, "availability", f"size_factors/{size}", "not a node size",
+                                   f"use GPU counts from {', '.join(map(str, GPUS_PER_NODE))}")
+            size_factors[int(size)] = f
+        model = replace(model, base_nodes=int(_number(avail, "base_nodes", path, "availability", model.base_nodes, 0,
+                                                      MAX_NODES, integer=True)),
+                        gpu_factors=tuple(sorted(gpu_factors.items())), size_factors=tuple(sorted(size_factors.items())))
     nodes_by_region = avail.get("nodes") or {}
     if not isinstance(nodes_by_region, dict):
         raise CatalogError(path, "availability", "nodes", f"{nodes_by_region!r} is not a mapping",
@@ -264,44 +357,56 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
                                    f"use one of {', '.join(map(str, node_configs))}")
             overrides.append((region, config, int(_number(nodes, node, path, "availability", ..., 0, MAX_NODES,
                                                           integer=True))))
-    alloc = _section(doc, "allocation", ALLOCATION_KEYS, path)
-    link = doc.get("link_gbps")
-    engine = doc.get("engine", "coral")
-    if engine not in SERVING_ENGINES:
-        raise CatalogError(path, "-", "engine", f"unknown serving engine {engine!r}",
-                           f"use one of {', '.join(SERVING_ENGINES)}")
-    return Scenario(
-        name=name,
-        description=description,
-        regions=tuple(regions),
-        node_configs=node_configs,
-        models=tuple(models),
-        default_nodes=default_nodes,
-        available_nodes=tuple(overrides),
-        n_max=int(_number(tpl, "n_max", path, "templates", 6, 1, MAX_N_MAX, integer=True)),
-        rho=_number(tpl, "rho", path, "templates", 12.0, 1.0, MAX_RHO),
-        headroom=_number(alloc, "headroom", path, "allocation", 1.1, 1.0, MAX_HEADROOM),
-        replan_interval_min=_number(alloc, "replan_interval_min", path, "allocation", 6.0, 0.0, MAX_MINUTES,
-                                    low_open=True),
-        node_startup_min=_number(alloc, "node_startup_min", path, "allocation", 10.0, 0.0, MAX_MINUTES),
-        link_gbps=None if link is None else _number(doc, "link_gbps", path, "-", ..., 0.0, MAX_LINK_GBPS,
-                                                    low_open=True),
-        path=str(path),
-        engine=engine,
-    )
+    return replace(model, nodes=tuple(overrides), series=_series(avail, path, gpus))
 
 
-def _served_model(name: str, base: str, path: Path, where: str) -> None:
-    """A served model's entry: a name of its own (a scenario name, not a catalog model's) over a catalog base."""
-    from coral_dagster.catalog.models import declare_served
+def _factors(avail: dict, key: str, path: Path) -> dict[str, float]:
+    """A mapping of names (GPU types or node sizes) to factors in [0, MAX_FACTOR]."""
+    value = avail.get(key) or {}
+    if not isinstance(value, dict):
+        raise CatalogError(path, "availability", key, f"{value!r} is not a mapping",
+                           f"write {key}: {{NAME: factor, ...}} (data/scenarios/MARKET.md)")
+    return {str(name): _number(value, name, path, f"availability/{key}", ..., 0.0, MAX_FACTOR) for name in value}
 
-    if not _NAME.match(name):
-        raise CatalogError(path, where, "model", f"{name!r} is not a served model name",
-                           "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    try:
-        declare_served(name, base, str(path))
-    except CoralError as exc:
-        raise CatalogError(path, where, "base", exc.problem.rstrip("."), exc.fix) from None
+
+def _series(avail: dict, path: Path, gpus: list[str]) -> Series | None:
+    """The optional availability series: window length in minutes and per-window multipliers (all GPUs, and per
+    GPU type), every list as long as `multipliers`."""
+    if "series" not in avail:
+        return None
+    doc = avail["series"]
+    where = "availability/series"
+    if not isinstance(doc, dict):
+        raise CatalogError(path, where, "series", f"{doc!r} is not a mapping",
+                           "write series: {window_min: 60, multipliers: [1, 0.5, ...]}")
+    _known_keys(doc, SERIES_KEYS, path, where)
+    window = _number(doc, "window_min", path, where, ..., 0.0, MAX_MINUTES, low_open=True)
+    multipliers = _multipliers(doc.get("multipliers"), path, where, "multipliers")
+    by_gpu = doc.get("gpus") or {}
+    if not isinstance(by_gpu, dict):
+        raise CatalogError(path, where, "gpus", f"{by_gpu!r} is not a mapping",
+                           "write gpus: {GPU: [multiplier per window, ...]}")
+    per_gpu = []
+    for gpu, values in by_gpu.items():
+        if gpu not in gpus:
+            raise CatalogError(path, where, f"gpus/{gpu}", "not a GPU of the scenario", f"use one of {', '.join(gpus)}")
+        row = _multipliers(values, path, where, f"gpus/{gpu}")
+        if len(row) != len(multipliers):
+            raise CatalogError(path, where, f"gpus/{gpu}", f"{len(row)} windows where multipliers has "
+                               f"{len(multipliers)}", "give one multiplier per window, as many as in multipliers")
+        per_gpu.append((str(gpu), row))
+    return Series(window, multipliers, tuple(per_gpu))
+
+
+def _multipliers(values: object, path: Path, where: str, key: str) -> tuple[float, ...]:
+    """A non-empty list of at most MAX_WINDOWS finite factors in [0, MAX_FACTOR]."""
+    ok = (isinstance(values, list) and 0 < len(values) <= MAX_WINDOWS
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and
+                  0 <= v <= MAX_FACTOR for v in values))
+    if not ok:
+        raise CatalogError(path, where, key, f"{values!r} is not a list of 1 to {MAX_WINDOWS:,} multipliers in "
+                           f"[0, {MAX_FACTOR:g}]", "give one number per window, e.g. [1, 0.75, 0.5, 0.75]")
+    return tuple(float(v) for v in values)
 
 
 def _section(doc: dict, key: str, known: frozenset[str], path: Path) -> dict:

@@ -9,6 +9,7 @@ import sys
 import click
 
 from coral_dagster.errors import CoralError
+from coral_dagster.lifetimes import stop_on_sigterm
 
 # name -> module:attribute; imported on use, so a GPU node with only the runtime installed runs `coral serve`.
 COMMANDS = {
@@ -63,6 +64,8 @@ def main(verbose: bool) -> None:
     """
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # `timeout` and `kill` end a command as Ctrl-C does: its worker pools are terminated, its store closed.
+    stop_on_sigterm()
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import click
 
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
-from coral_dagster.templates.engines import SERVING_ENGINES
+from coral_dagster.cli.templates import t_hat_rule_option, with_t_hat_rule
+from coral_dagster.vocab import METHODS, SERVING_ENGINES
 
-from coral_dagster.allocation.types import METHODS
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 
@@ -25,7 +25,7 @@ def _print_plan(plan) -> None:
     emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
                                            "usd_per_hour"]),
                title=f"{plan.scenario}: {plan.method} plan {plan.plan_id or '(not stored)'}: {plan.status}")
-    served = [{"model": m, "phase": p, "capacity_factor": plan.capacity_factors.get((m, p)),
+    served = [{"model": m, "phase": p, "capacity_factor": plan.admission.capacity_factors.get((m, p)),
                "demand_tokens_per_s": d, "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
     emit_table(pd.DataFrame(served), title="served vs demanded (demand = rate × mean tokens × capacity factor)")
@@ -35,9 +35,9 @@ def _print_plan(plan) -> None:
                f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap to LP {gap}, to MIP bound {mip_gap}, "
                f"solved in {plan.solve_s:.2f} s, "
                f"demand scale {plan.demand_scale:.2%}")
-    for m, rate in sorted(plan.admit_req_s.items()):
-        depth = plan.admit_depth_req.get(m)
-        peak = plan.admit_peak.get(m)
+    for m, rate in sorted(plan.admission.admit_req_s.items()):
+        depth = plan.admission.admit_depth_req.get(m)
+        peak = plan.admission.admit_peak.get(m)
         click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
                    else "") + (f", let in at most {peak[0]:.3g} req/s (a second bucket {peak[1]:,.0f} deep)" if peak
                                 else "")
@@ -68,12 +68,13 @@ def _print_plan(plan) -> None:
 @click.option("--time-limit-s", type=POSITIVE, default=30.0, show_default=True, help="Solver time limit.")
 @click.option("--store/--no-store", "save", default=True, show_default=True,
               help="Write the plan to the DuckDB file (tables plans, plan_instances).")
+@t_hat_rule_option
 @prices_option
 @db_option
 @json_option
 def plan(scenario: str, method: str, availability_scale: float, engine: str | None, demand_mix: str,
-         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, db_path: str | None,
-         as_json: bool) -> None:
+         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, t_hat_rule: str | None,
+         db_path: str | None, as_json: bool) -> None:
     """Choose how many instances of which templates to run in which region, at least cost.
 
     Demand per (model, phase) is the scenario's request rate × the trace's mean prompt (prefill) or output
@@ -82,6 +83,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     """
     from dataclasses import replace
 
+    from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.allocation.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
     from coral_dagster.app.plans import resolve_plan
@@ -92,13 +94,14 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     store = Store(db_path)
     running = resolve_plan(store, running_id, scenario, method) if running_id else None
     scn = load_scenario(scenario)
-    scn = replace(scn, engine=engine or scn.engine)
+    scn = replace(with_t_hat_rule(scn, t_hat_rule), engine=engine or scn.engine)
     market = scn.market(availability_scale=availability_scale)
     result = plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
                            scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
                            db_path=db_path)
     if save:
         inputs = {"scenario": scenario, "scenario_path": scn.path, "method": method, "engine": scn.engine,
+                  "t_hat_rule": scn.t_hat_rule,
                   "availability_scale": availability_scale,
                   "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
                   "time_limit_s": time_limit_s}
@@ -106,7 +109,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
             append_snapshot(store, market)
         result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
     if as_json:
-        emit_json(result.as_dict())
+        emit_json(plan_to_doc(result))
     else:
         _print_plan(result)
 

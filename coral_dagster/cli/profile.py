@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit, emit_json, emit_table, json_option
+from coral_dagster.cli.templates import t_hat_rule_option
 from coral_dagster.errors import CoralError
 
 _model = click.option("--model", required=True, help="Model alias or Hugging Face id (see `coral catalog models`).")
@@ -85,16 +86,25 @@ def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: i
 @click.option("--context", "context_tokens", type=click.IntRange(min=1), default=1024, show_default=True,
               help="Decode: context tokens per sequence.")
 @click.option("--send-gbps", type=POSITIVE, default=None, help="Count the activation transfer at this rate.")
+@t_hat_rule_option
 @json_option
 def throughput(model: str, node: str, phase: str, layers: int, budget_ms: float, context_tokens: int,
-               send_gbps: float | None, as_json: bool) -> None:
-    """T̂: the most tokens/s the node reaches holding --layers layers within --budget-ms, and what bounds it."""
+               send_gbps: float | None, t_hat_rule: str | None, as_json: bool) -> None:
+    """T̂: the most tokens/s the node reaches holding --layers layers within --budget-ms, and what bounds it.
+
+    This is the per-node T̂ both rules start from, KV room for one batch: the paper's rule is exactly it (with no
+    activation transfer); the slo rule plans templates below it (a scenario's margin and queueing, `coral
+    templates best --explain` shows its tables)."""
     from coral_dagster.profiles import default_perf_model
 
+    if t_hat_rule == "paper" and send_gbps is not None:
+        raise CoralError("--send-gbps under --t-hat-rule paper: the paper's rule charges no activation transfer.",
+                         "drop --send-gbps, or use --t-hat-rule slo.")
     m, n = _resolve(model, node)
     perf = default_perf_model()
     point = perf.t_hat(m, n.config, phase, layers, budget_ms, context_tokens, send_gbps)
     out = {"model": m.alias, "node": str(n.config), "phase": phase, "layers": layers, "budget_ms": budget_ms,
+           "t_hat_rule": t_hat_rule or "slo",
            "max_layers": perf.max_layers(m, n.config), "kv_capacity_tokens": perf.kv_capacity_tokens(
                m, n.config, layers), **asdict(point), "source": perf.source(m, n.config, phase)}
     if as_json:

@@ -10,6 +10,7 @@ import pandas as pd
 
 from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit_json, emit_table, json_option,
                                    prices_option)
+from coral_dagster.cli.templates import t_hat_rule_option
 
 
 @click.command()
@@ -21,12 +22,13 @@ from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_opt
 @click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
               help="Simulate the Coral plan on each model's own trace and re-plan with more capacity for models "
                    "below target (at most 3 plans).")
+@t_hat_rule_option
 @prices_option
 @db_option
 @json_option
 @click.pass_context
 def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, closed_loop: bool,
-        db_path: str | None, as_json: bool) -> None:
+        t_hat_rule: str | None, db_path: str | None, as_json: bool) -> None:
     """Run the pipeline end to end on the bundled data and print a summary.
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
@@ -42,6 +44,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
     from coral_dagster.store import Store
 
     verbose = bool(ctx.find_root().params.get("verbose"))
+    scenario = scenario_with_rule(scenario, t_hat_rule)
     result = materialize_pipeline(scenario, simulate_s=simulate_s, attainment_target=attainment_target,
                                   closed_loop=closed_loop,
                                   log_level="INFO" if verbose else "CRITICAL",
@@ -59,16 +62,39 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
         sys.exit(1)
 
 
+def scenario_with_rule(scenario: str, t_hat_rule: str | None) -> str:
+    """`scenario`, or when it asks for another T̂ rule, a copy of its file with `templates: {t_hat_rule}` set under
+    $DAGSTER_HOME/scenarios (the pipeline's assets load a scenario by name or path)."""
+    from pathlib import Path
+
+    import yaml
+
+    from coral_dagster.catalog._load import read_yaml
+    from coral_dagster.catalog.scenarios import load_scenario
+    from coral_dagster.definitions import dagster_home
+
+    scn = load_scenario(scenario)
+    if t_hat_rule is None or scn.t_hat_rule == t_hat_rule:
+        return scenario
+    doc = read_yaml(Path(scn.path))
+    doc["templates"] = {**(doc.get("templates") or {}), "t_hat_rule": t_hat_rule}
+    path = dagster_home() / "scenarios" / f"{scn.name}-{t_hat_rule}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(doc, sort_keys=False))
+    return str(path)
+
+
 def run_summary(store, plan, result) -> dict:
     """What a person reads after `coral run`: the plan, the comparison to the previous one and to the baselines,
     the simulation, and every check as a sentence."""
+    from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.app.simulation import plan_simulation
 
     baselines = result.metadata.get("baseline_plans", {})
     table = baselines.get("cost_vs_baselines")
     infeasible = baselines["infeasible"].value if "infeasible" in baselines else {}
     return {
-        "scenario": plan.scenario, "method": plan.method, "plan_id": plan.plan_id, "plan": plan.as_dict(),
+        "scenario": plan.scenario, "method": plan.method, "plan_id": plan.plan_id, "plan": plan_to_doc(plan),
         "previous": previous_plan(store, plan),
         "baselines": [r.data for r in table.records] if table is not None else None,
         "cannot_meet_demand": {m: str(reason).split(" Fix: ")[0] for m, reason in infeasible.items()},

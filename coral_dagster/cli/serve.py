@@ -13,13 +13,11 @@ from click.core import ParameterSource
 
 from coral_dagster.cli.types import NON_NEGATIVE, POSITIVE, FiniteFloat
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.protocol import Env
 
-ENV = "CORAL_"
-
-
-def _opt(*names: str, env: str, **kw: Any):
-    """A click option that can also be set from `CORAL_<env>` (SkyPilot passes settings as env vars)."""
-    return click.option(*names, envvar=ENV + env, show_envvar=True, **kw)
+def _opt(*names: str, env: Env, **kw: Any):
+    """A click option that can also be set from its `CORAL_*` variable (SkyPilot passes settings as env vars)."""
+    return click.option(*names, envvar=env.value, show_envvar=True, **kw)
 
 
 def _timing_options(f):
@@ -27,11 +25,11 @@ def _timing_options(f):
 
     d = Timing()
     for name, env, default, text in reversed([
-        ("--heartbeat-s", "HEARTBEAT_S", d.heartbeat_s, "Seconds between heartbeats."),
-        ("--dead-after-s", "DEAD_AFTER_S", d.dead_after_s, "Silence after which a peer counts as dead."),
-        ("--request-timeout-s", "REQUEST_TIMEOUT_S", d.request_timeout_s, "Longest a request may make no progress."),
-        ("--kv-timeout-s", "KV_TIMEOUT_S", d.kv_timeout_s, "Longest a decode node waits for a KV handoff."),
-        ("--orphan-after-s", "ORPHAN_AFTER_S", d.orphan_after_s, "Exit when the upstream is silent this long."),
+        ("--heartbeat-s", Env.HEARTBEAT_S, d.heartbeat_s, "Seconds between heartbeats."),
+        ("--dead-after-s", Env.DEAD_AFTER_S, d.dead_after_s, "Silence after which a peer counts as dead."),
+        ("--request-timeout-s", Env.REQUEST_TIMEOUT_S, d.request_timeout_s, "Longest a request may make no progress."),
+        ("--kv-timeout-s", Env.KV_TIMEOUT_S, d.kv_timeout_s, "Longest a decode node waits for a KV handoff."),
+        ("--orphan-after-s", Env.ORPHAN_AFTER_S, d.orphan_after_s, "Exit when the upstream is silent this long."),
     ]):
         f = _opt(name, env=env, type=POSITIVE, default=default, show_default=True, help=text)(f)
     return f
@@ -45,7 +43,7 @@ def _timing(kw: dict[str, Any]):
 
 
 _json = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")
-_insecure = _opt("--insecure", env="INSECURE", is_flag=True,
+_insecure = _opt("--insecure", env=Env.INSECURE, is_flag=True,
                  help="Allow non-loopback sockets without CURVE (trusted networks only).")
 
 
@@ -54,19 +52,19 @@ def _role_options(f):
     return _insecure(_timing_options(_json(f)))
 
 
-def _endpoint(name: str, env: str, default: str, text: str):
+def _endpoint(name: str, env: Env, default: str, text: str):
     return _opt(name, env=env, default=default, show_default=True, help=text)
 
 
 # vLLM's launch settings: flags of `coral serve engine`, and what `serve local --vllm-args` may carry.
 _VLLM_FLAGS = [
-    ("--tp", "TP", dict(type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")),
-    ("--max-model-len", "MAX_MODEL_LEN", dict(type=int, default=4096, show_default=True,
+    ("--tp", Env.TP, dict(type=int, default=1, show_default=True, help="Tensor-parallel GPUs in this node (vLLM).")),
+    ("--max-model-len", Env.MAX_MODEL_LEN, dict(type=int, default=4096, show_default=True,
                                               help="vLLM: longest prompt + output.")),
-    ("--gpu-memory-utilization", "GPU_MEMORY_UTILIZATION", dict(
+    ("--gpu-memory-utilization", Env.GPU_MEMORY_UTILIZATION, dict(
         type=FiniteFloat(0.0, 1.0, low_open=True), default=0.9, show_default=True,
         help="vLLM: share of GPU memory for weights, activations and KV cache.")),
-    ("--enforce-eager", "ENFORCE_EAGER", dict(is_flag=True, help="vLLM: no CUDA graphs or compilation.")),
+    ("--enforce-eager", Env.ENFORCE_EAGER, dict(is_flag=True, help="vLLM: no CUDA graphs or compilation.")),
 ]
 
 
@@ -99,18 +97,18 @@ def serve() -> None:
 
 
 @serve.command("coordinator")
-@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:5555", "ZeroMQ endpoint for schedulers and clients.")
-@_opt("--http-host", env="HTTP_HOST", default="127.0.0.1", show_default=True, help="Front door host.")
-@_opt("--http-port", env="HTTP_PORT", type=int, default=8000, show_default=True,
+@_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:5555", "ZeroMQ endpoint for schedulers and clients.")
+@_opt("--http-host", env=Env.HTTP_HOST, default="127.0.0.1", show_default=True, help="Front door host.")
+@_opt("--http-port", env=Env.HTTP_PORT, type=int, default=8000, show_default=True,
       help="Front door port (OpenAI-compatible); -1 disables it.")
-@_opt("--model", "models", env="MODEL", multiple=True, help="Model names to list before instances register.")
-@_opt("--max-retries", env="MAX_RETRIES", type=int, default=1, show_default=True,
+@_opt("--model", "models", env=Env.MODEL, multiple=True, help="Model names to list before instances register.")
+@_opt("--max-retries", env=Env.MAX_RETRIES, type=int, default=1, show_default=True,
       help="Times a failed request resumes on another instance.")
-@_opt("--api-key", env="API_KEY", default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
-@_opt("--tls-certfile", env="TLS_CERTFILE", default=None,
+@_opt("--api-key", env=Env.API_KEY, default=None, help="Key HTTP clients must send as 'Authorization: Bearer'.")
+@_opt("--tls-certfile", env=Env.TLS_CERTFILE, default=None,
       help="PEM certificate (chain) to serve HTTPS with; needs --tls-keyfile.")
-@_opt("--tls-keyfile", env="TLS_KEYFILE", default=None, help="PEM private key of --tls-certfile.")
-@_opt("--admit", env="ADMIT", default="",
+@_opt("--tls-keyfile", env=Env.TLS_KEYFILE, default=None, help="PEM private key of --tls-certfile.")
+@_opt("--admit", env=Env.ADMIT, default="",
       help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
            "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_role_options
@@ -131,18 +129,18 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
 
 
 @serve.command("scheduler")
-@_opt("--instance", env="INSTANCE", required=True, help="This serving instance's name.")
-@_opt("--model", env="MODEL", required=True, help="Model the instance serves.")
-@_opt("--phase", env="PHASE", type=click.Choice(["aggregated", "prefill", "decode"]), default="aggregated",
+@_opt("--instance", env=Env.INSTANCE, required=True, help="This serving instance's name.")
+@_opt("--model", env=Env.MODEL, required=True, help="Model the instance serves.")
+@_opt("--phase", env=Env.PHASE, type=click.Choice(["aggregated", "prefill", "decode"]), default="aggregated",
       show_default=True, help="What the instance does.")
-@_opt("--split", env="SPLIT", required=True, help="Layers per stage, e.g. 3,5,4 (VLLM_PP_LAYER_PARTITION).")
-@_endpoint("--coordinator", "COORDINATOR", "tcp://127.0.0.1:5555", "The coordinator's ZeroMQ endpoint.")
-@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:5600", "ZeroMQ endpoint the engine nodes connect to.")
-@_opt("--region", env="REGION", default="local", show_default=True,
+@_opt("--split", env=Env.SPLIT, required=True, help="Layers per stage, e.g. 3,5,4 (VLLM_PP_LAYER_PARTITION).")
+@_endpoint("--coordinator", Env.COORDINATOR, "tcp://127.0.0.1:5555", "The coordinator's ZeroMQ endpoint.")
+@_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:5600", "ZeroMQ endpoint the engine nodes connect to.")
+@_opt("--region", env=Env.REGION, default="local", show_default=True,
       help="The instance's cloud region; the router keeps a request's prefill and decode in one region.")
-@_opt("--route-weight", env="ROUTE_WEIGHT", type=NON_NEGATIVE, default=0.0, show_default=True,
+@_opt("--route-weight", env=Env.ROUTE_WEIGHT, type=NON_NEGATIVE, default=0.0, show_default=True,
       help="The plan's routing weight of this instance (share of its model's demand); 0: weigh by --tokens-per-s.")
-@_opt("--tokens-per-s", env="TOKENS_PER_S", type=POSITIVE, default=1.0, show_default=True,
+@_opt("--tokens-per-s", env=Env.TOKENS_PER_S, type=POSITIVE, default=1.0, show_default=True,
       help="The template's throughput; the router's weight for this instance.")
 @_role_options
 def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator: str, listen: str,
@@ -162,26 +160,26 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 
 
 @serve.command("engine")
-@_opt("--node", env="NODE", default=None, help="This node's name (default: host name and stage).")
-@_opt("--model", env="MODEL", required=True, help="Model to load.")
-@_opt("--layers", env="LAYERS", required=True, help="Layer range start:end this node holds.")
-@_opt("--stage-rank", env="STAGE_RANK", type=int, required=True, help="Stage index in the instance.")
-@_endpoint("--scheduler", "SCHEDULER", "tcp://127.0.0.1:5600", "The instance scheduler's ZeroMQ endpoint.")
-@_endpoint("--listen", "LISTEN", "tcp://127.0.0.1:*", "ZeroMQ endpoint for activations and KV (port * = any free one).")
-@_opt("--advertise", env="ADVERTISE", default="", help="Address peers should use, if not the bound one.")
-@_opt("--share", env="SHARE", type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
+@_opt("--node", env=Env.NODE, default=None, help="This node's name (default: host name and stage).")
+@_opt("--model", env=Env.MODEL, required=True, help="Model to load.")
+@_opt("--layers", env=Env.LAYERS, required=True, help="Layer range start:end this node holds.")
+@_opt("--stage-rank", env=Env.STAGE_RANK, type=int, required=True, help="Stage index in the instance.")
+@_endpoint("--scheduler", Env.SCHEDULER, "tcp://127.0.0.1:5600", "The instance scheduler's ZeroMQ endpoint.")
+@_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:*", "ZeroMQ endpoint for activations and KV (port * = any free one).")
+@_opt("--advertise", env=Env.ADVERTISE, default="", help="Address peers should use, if not the bound one.")
+@_opt("--share", env=Env.SHARE, type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
       help="This node's share of its stage.")
-@_opt("--engine", "engine_kind", env="ENGINE", type=click.Choice(["torch", "vllm"]), default="torch",
+@_opt("--engine", "engine_kind", env=Env.ENGINE, type=click.Choice(["torch", "vllm"]), default="torch",
       show_default=True, help="Engine behind the node.")
-@_opt("--split", env="SPLIT", default="", help="The instance's layer split (vLLM engine only).")
-@_opt("--device", env="DEVICE", default=None, help="Torch device (default: cuda if present, else cpu).")
-@_opt("--node-rank", env="NODE_RANK", type=int, default=0, show_default=True,
+@_opt("--split", env=Env.SPLIT, default="", help="The instance's layer split (vLLM engine only).")
+@_opt("--device", env=Env.DEVICE, default=None, help="Torch device (default: cuda if present, else cpu).")
+@_opt("--node-rank", env=Env.NODE_RANK, type=int, default=0, show_default=True,
       help="vLLM: this node's rank in the instance's pipeline; rank 0 serves, others run `vllm serve --headless`.")
-@_endpoint("--vllm-head", "VLLM_HEAD", "127.0.0.1", "vLLM: the head node's address (vLLM's --master-addr).")
-@_opt("--vllm-port", env="VLLM_PORT", type=int, default=29501, show_default=True,
+@_endpoint("--vllm-head", Env.VLLM_HEAD, "127.0.0.1", "vLLM: the head node's address (vLLM's --master-addr).")
+@_opt("--vllm-port", env=Env.VLLM_PORT, type=int, default=29501, show_default=True,
       help="vLLM: the head's torch.distributed port (vLLM's --master-port).")
 @_vllm_options
-@_opt("--restart/--no-restart", env="RESTART", default=True, show_default=True,
+@_opt("--restart/--no-restart", env=Env.RESTART, default=True, show_default=True,
       help="Restart the node, with exponential back-off, when it fails (a clean stop or a configuration error ends "
            "the command with the node's status).")
 @_role_options
@@ -232,7 +230,7 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
                    "get one each).")
 @click.option("--port", type=int, default=8000, show_default=True, help="HTTP front door port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every process listens on.")
-@_opt("--api-key", env="API_KEY", default=None,
+@_opt("--api-key", env=Env.API_KEY, default=None,
       help="Key HTTP clients must send as 'Authorization: Bearer' (default: generated, written to <log-dir>/api_key).")
 @click.option("--restart/--no-restart", default=True, show_default=True,
               help="Restart a scheduler or engine that dies, with exponential back-off.")

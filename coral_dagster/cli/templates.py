@@ -7,7 +7,19 @@ import click
 from coral_dagster.catalog.scenarios import MAX_N_MAX, MAX_RHO
 from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit, emit_json, emit_table,
                                    json_option)
-from coral_dagster.templates.types import PHASES
+from coral_dagster.vocab import PHASES, T_HAT_RULE_NAMES
+
+t_hat_rule_option = click.option(
+    "--t-hat-rule", "t_hat_rule", type=click.Choice(T_HAT_RULE_NAMES), default=None,
+    help="Rule T̂ is computed by (default: the scenario's `templates: {t_hat_rule}`, else slo): paper, the paper's "
+         "per-stage rule (ℓ/S, no margin or queueing, no activation charge, KV for one batch); slo, ours.")
+
+
+def with_t_hat_rule(scn, t_hat_rule: str | None):
+    """The scenario with T̂ rule `t_hat_rule` (None: its own)."""
+    import dataclasses
+
+    return scn if t_hat_rule is None else dataclasses.replace(scn, t_hat_rule=t_hat_rule)
 
 
 def _template_dict(t) -> dict:
@@ -45,15 +57,17 @@ def cli() -> None:
                    "with the model).")
 @click.option("--time-limit-s", type=POSITIVE, default=60.0, show_default=True, help="ILP time limit per stage count.")
 @click.option("--explain", is_flag=True, help="Also print the T̂ table optimized over, to re-check the optimum.")
+@t_hat_rule_option
 @json_option
 def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_ms: float | None, method: str,
-         scenario: str | None, time_limit_s: float, explain: bool, as_json: bool) -> None:
+         scenario: str | None, time_limit_s: float, explain: bool, t_hat_rule: str | None, as_json: bool) -> None:
     """The best placement and throughput of one node multiset."""
     from coral_dagster.templates.best import best_for_nodes
 
     t, tables, solve_s = best_for_nodes(model, phase, nodes, slo_ms=slo_ms, prefill_slo_ms=prefill_slo_ms,
-                                        scenario=scenario, method=method, time_limit_s=time_limit_s)
-    out = _template_dict(t) | {"method": method, "solve_s": solve_s,
+                                        scenario=scenario, method=method, time_limit_s=time_limit_s,
+                                        t_hat_rule=t_hat_rule)
+    out = _template_dict(t) | {"method": method, "solve_s": solve_s, "t_hat_rule": tables.workload.rule,
                                "stage_budget_ms": tables.budget_ms(len(t.stages)),
                                "prompt_tokens": tables.workload.prompt_tokens,
                                "output_tokens": tables.workload.output_tokens,
@@ -70,7 +84,7 @@ def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_m
         return
     click.echo(f"{t.model} {t.phase} at {t.slo_ms:g} ms on {t.nodes}: {t.tokens_per_s:,.1f} tokens/s "
                f"({t.bound}-bound), {len(t.stages)} stage(s), VLLM_PP_LAYER_PARTITION={t.pp_partition}, "
-               f"{method} in {solve_s * 1e3:.2f} ms")
+               f"{method} in {solve_s * 1e3:.2f} ms, T̂ rule {tables.workload.rule}")
     for note in out.get("notes", []):
         click.echo(f"note: {note}")
     import pandas as pd
@@ -91,19 +105,21 @@ def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_m
               help="Most nodes per template (default: the scenario's, 6).")
 @click.option("--rho", type=FiniteFloat(1.0, MAX_RHO), default=None,
               help="Most GPU memory per template as a multiple of the weights (default: the scenario's, 12).")
+@t_hat_rule_option
 @db_option
 @json_option
 def build(scenario: str, models: str | None, processes: int | None, no_prune: bool, n_max: int | None,
-          rho: float | None, db_path: str | None, as_json: bool) -> None:
+          rho: float | None, t_hat_rule: str | None, db_path: str | None, as_json: bool) -> None:
     """Build a scenario's template library and store it in DuckDB under its library key (the digest of what the
-    templates depend on: another scenario, or the same one with other --n-max / --rho, keeps its own library)."""
+    templates depend on: another scenario, or the same one with other --n-max / --rho / --t-hat-rule, keeps its own
+    library)."""
     import dataclasses
 
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.store import Store
     from coral_dagster.templates.library import build_library_with_stats, store_library
 
-    scn = load_scenario(scenario)
+    scn = with_t_hat_rule(load_scenario(scenario), t_hat_rule)
     scn = dataclasses.replace(scn, n_max=scn.n_max if n_max is None else n_max, rho=scn.rho if rho is None else rho)
     templates, stats = build_library_with_stats(
         scn, processes=processes, progress=not as_json, prune=not no_prune,
@@ -112,11 +128,12 @@ def build(scenario: str, models: str | None, processes: int | None, no_prune: bo
     rows = store_library(store, templates, scn)
     per_key = stats.as_frame()
     if as_json:
-        emit_json({"scenario": stats.scenario, "library_key": scn.library_key, "templates": rows, "db": str(store.path),
+        emit_json({"scenario": stats.scenario, "library_key": scn.library_key, "t_hat_rule": scn.t_hat_rule,
+                   "templates": rows, "db": str(store.path),
                    "tables_s": stats.tables_s, "optimize_s": stats.optimize_s, "total_s": stats.total_s,
                    "processes": stats.processes, "per_model_phase": per_key.to_dict(orient="records")})
         return
-    emit_table(per_key, f"templates of {stats.scenario} (library {scn.library_key})")
+    emit_table(per_key, f"templates of {stats.scenario} (library {scn.library_key}, T̂ rule {scn.t_hat_rule})")
     click.echo(f"{rows} templates stored in {store.path} in {stats.total_s:.1f} s on {stats.processes} process(es)")
 
 
@@ -126,17 +143,18 @@ def build(scenario: str, models: str | None, processes: int | None, no_prune: bo
 @click.option("--phase", type=click.Choice(PHASES), default=None, help="Only this phase.")
 @click.option("--limit", type=click.IntRange(min=0), default=20, show_default=True,
               help="Rows to print, highest throughput first.")
+@t_hat_rule_option
 @db_option
 @json_option
-def list_(scenario: str, model: str | None, phase: str | None, limit: int, db_path: str | None,
-          as_json: bool) -> None:
+def list_(scenario: str, model: str | None, phase: str | None, limit: int, t_hat_rule: str | None,
+          db_path: str | None, as_json: bool) -> None:
     """Stored templates of a scenario, highest throughput first."""
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.errors import CoralError
     from coral_dagster.store import Store
     from coral_dagster.templates.library import TEMPLATES_TABLE
 
-    store, key = Store(db_path), load_scenario(scenario).library_key
+    store, key = Store(db_path), with_t_hat_rule(load_scenario(scenario), t_hat_rule).library_key
     if "library_key" not in store.columns(TEMPLATES_TABLE):
         raise CoralError(f"no template library of the current format in {store.path}.",
                          f"run `coral templates build --scenario {scenario}`.")

@@ -9,8 +9,7 @@ from typing import Mapping
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
 from coral_dagster.runtime.limits import ModelLimits
-
-PHASES = ("aggregated", "prefill", "decode")
+from coral_dagster.vocab import PHASES
 
 
 @dataclass(frozen=True)
@@ -22,6 +21,8 @@ class Timing:
     dead_after_s: float = 1.5
     # A request with no progress this long fails (or is retried) instead of hanging.
     request_timeout_s: float = 60.0
+    # Longest a request may take in all, however it progresses (a client's `timeout_s` may shorten it).
+    request_deadline_s: float = 3600.0
     # A decode node waits this long for a prefill instance's KV handoff.
     kv_timeout_s: float = 10.0
     # A scheduler or engine whose upstream has been silent this long exits.

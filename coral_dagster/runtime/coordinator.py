@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,6 +14,7 @@ from typing import Any
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import MESSAGES, Kind, Link, check
 from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_admit
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
@@ -40,6 +43,7 @@ class _Instance:
     requests: set[str] = field(default_factory=set)
     served: int = 0
     limits: ModelLimits | None = None
+    incarnation: str = ""
 
 
 @dataclass
@@ -61,6 +65,17 @@ class _Request:
     last_progress: float = field(default_factory=time.monotonic)
     # Sampling parameters (`runtime/sampling.py`, checked here), sent with every attempt.
     sampling: dict[str, Any] | None = None
+    created: float = 0.0
+    # Past this the request fails (504), however it progresses.
+    deadline: float = math.inf
+    # Instances an attempt failed on: a retry never goes back to one (a restarted process has lost its state).
+    failed_on: set[str] = field(default_factory=set)
+    # Attempts that ended with their instance dead or restarted; at MAX_DEATHS the request fails alone.
+    deaths: int = 0
+
+
+# A request in flight on this many instances that died is not tried on another: it may be what kills them.
+MAX_DEATHS = 2
 
 
 class Coordinator:
@@ -71,7 +86,11 @@ class Coordinator:
     instances, to a decode instance (`decode`, which answers with its KV route) and then to a prefill instance
     (`prefill` with that route), whose first token starts the decode (`first_token`). Events to the client:
     `accepted`, `token`, `done`, `error`. A failed attempt resumes on another instance from the tokens already
-    produced, up to `max_retries` times; then the client gets an `error` that says why.
+    produced, up to `max_retries` times and never on an instance it failed on; then the client gets an `error`
+    that says why. An instance is bound to the connection that registered it: a registration under a live
+    instance's name from another connection is refused, and once taken (the old connection is gone: a restart),
+    the old process's requests resume elsewhere at once. Instances whose model metadata (vocabulary, context,
+    layers) disagrees with the deployment's own are refused.
     """
 
     def __init__(self, cfg: CoordinatorConfig, keys: CurveKeys | None = None, insecure: bool = False,
@@ -86,8 +105,8 @@ class Coordinator:
         self.security = Security(self.ctx, keys, insecure)
         self.router = self.ctx.socket(zmq.ROUTER)
         self.router.linger = 0
-        self.router.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.address = self.security.bind(self.router, cfg.listen)
+        self.address = self.security.bind(self.router, cfg.listen, router=True)
+        self.incarnation = secrets.token_hex(4)
         self.front_address = f"inproc://coral-front-{id(self)}"
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.linger = 0
@@ -162,60 +181,104 @@ class Coordinator:
 
     def _reply_error(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], problem: str, fix: str,
                      status: int) -> None:
-        if h.get("kind") in self._CLIENT_KINDS or sock is self.front:
-            if h.get("kind") == "submit":
+        """Answer a client's (or an unknown peer's) failed message, and a registration that cannot be taken; other
+        scheduler messages get no answers."""
+        if h.get("kind") == Kind.REGISTER and sock is self.router:
+            wire.send(sock, {"kind": Kind.REFUSED, "problem": problem}, to=ident)
+        elif h.get("kind") not in MESSAGES[Link.SCHEDULER_TO_COORDINATOR] or sock is self.front:
+            if h.get("kind") == Kind.SUBMIT:
                 self.counts["failed"] += 1
-            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "problem": problem, "fix": fix, "status": status},
-                      to=ident)
+            wire.send(sock, {"kind": Kind.ERROR, "tag": h.get("tag"), "problem": problem, "fix": fix,
+                             "status": status}, to=ident)
 
-    _CLIENT_KINDS = ("submit", "cancel", "drain", "admit", "status")
+    # The handler of each kind the coordinator receives, by link; REGISTER comes before an instance exists.
+    CLIENT_HANDLERS = {Kind.SUBMIT: "_submit", Kind.CANCEL: "_cancel", Kind.DRAIN: "_drain_request",
+                       Kind.ADMIT: "_admit", Kind.STATUS: "_status"}
+    SCHEDULER_HANDLERS = {Kind.REGISTER: "_register", Kind.HEARTBEAT: "_heartbeat", Kind.HEALTH: "_health",
+                          Kind.TOKEN: "_token", Kind.DONE: "_done", Kind.PREFILLED: "_prefilled",
+                          Kind.KV_ROUTE: "_kv_route", Kind.ERROR: "_attempt_failed", Kind.DRAINING: "_draining",
+                          Kind.LEFT: "_left"}
 
     def _handle(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        client = {"submit": self._submit, "cancel": self._cancel, "drain": self._drain_request,
-                  "admit": self._admit, "status": self._status}
-        if kind in client:
-            client[kind](sock, ident, h, now)
+        links = (Link.CLIENT_TO_COORDINATOR, Link.SCHEDULER_TO_COORDINATOR) if sock is self.router \
+            else (Link.CLIENT_TO_COORDINATOR,)
+        link, kind = check(links, h)
+        if link is Link.CLIENT_TO_COORDINATOR:
+            getattr(self, self.CLIENT_HANDLERS[kind])(sock, ident, h, now)
             return
-        if sock is not self.router:
-            return
-        name = str(h.get("instance"))
-        if kind == "register":
+        name = h["instance"]
+        if kind is Kind.REGISTER:
             self._register(ident, name, h, now)
             return
         inst = self.instances.get(name)
         if inst is None or inst.ident != ident:
             # Only the connection that registered an instance speaks for it.
-            wire.send(self.router, {"kind": "reregister"}, to=ident)
+            wire.send(self.router, {"kind": Kind.REREGISTER}, to=ident)
             return
         inst.last_seen = now
-        scheduler = {"heartbeat": self._heartbeat, "health": self._health, "token": self._token, "done": self._done,
-                     "prefilled": self._prefilled, "kv_route": self._kv_route, "error": self._attempt_failed,
-                     "draining": self._draining, "left": self._left}
-        if kind in scheduler:
-            scheduler[kind](inst, h, now)
+        getattr(self, self.SCHEDULER_HANDLERS[kind])(inst, h, now)
 
     # Instances
 
+    def _refuse(self, ident: bytes, name: str, problem: str) -> None:
+        log.warning("refused instance %s: %s", name, problem)
+        wire.send(self.router, {"kind": "refused", "problem": problem}, to=ident)
+
     def _register(self, ident: bytes, name: str, h: dict[str, Any], now: float) -> None:
         old = self.instances.get(name)
-        if old is not None and old.ident != ident and old.state != "lost":
-            log.warning("refused a second registration of live instance %s", name)
-            wire.send(self.router, {"kind": "refused", "problem": f"instance {name} is registered and alive"},
-                      to=ident)
+        incarnation = str(h.get("incarnation", ""))
+        if old is not None and old.ident != ident and wire.send(self.router, {"kind": "ack"}, to=old.ident):
+            self._refuse(ident, name, f"instance {name} is registered and its connection is alive")
             return
         stages = h.get("stages", [])
         if not isinstance(stages, list):
             raise ValueError(f"stages must be a list, got {type(stages).__name__}")
         tokens_per_s = finite_positive(h["tokens_per_s"], "tokens_per_s")
         weight = finite_positive(h["weight"], "weight") if h.get("weight") is not None else tokens_per_s
-        inst = _Instance(name, ident, str(h["model"]), str(h["phase"]), tokens_per_s, stages, now,
+        model, limits = str(h["model"]), ModelLimits.from_message(h.get("limits"))
+        mismatch = self._metadata_mismatch(model, limits, h.get("split"))
+        if mismatch:
+            self._refuse(ident, name, mismatch)
+            return
+        if old is not None and (old.ident != ident or old.incarnation != incarnation):
+            # Its process was replaced: what the old one had in flight is lost and resumes elsewhere now.
+            self._lose(old, f"instance {name} restarted (its scheduler process was replaced)", now)
+            old = None
+        inst = _Instance(name, ident, model, str(h["phase"]), tokens_per_s, stages, now,
                          region=str(h.get("region") or "local"), weight=weight,
                          requests=old.requests if old else set(), served=old.served if old else 0,
-                         limits=ModelLimits.from_message(h.get("limits")))
+                         limits=limits, incarnation=incarnation)
         self.instances[name] = inst
         log.info("instance %s (%s %s, %g tok/s) registered", name, inst.model, inst.phase, inst.tokens_per_s)
         wire.send(self.router, {"kind": "registered"}, to=ident)
+
+    def _metadata_mismatch(self, model: str, limits: ModelLimits | None, split: Any) -> str:
+        """Why an instance's announced vocabulary, context or layers disagree with the model's own (the catalog's,
+        else the first registered instance's); empty when they agree."""
+        from coral_dagster.runtime.roles import model_layers, model_limits
+
+        try:
+            expected, layers = model_limits(model), model_layers(model)
+        except CoralError:
+            expected = next((i.limits for i in self.instances.values() if i.model == model and i.limits), None)
+            layers = None
+        if limits is not None and expected is not None and limits != expected:
+            return (f"model {model} has vocab {expected.vocab} and context {expected.max_context}, but the instance "
+                    f"announced vocab {limits.vocab} and context {limits.max_context}")
+        if layers is not None and isinstance(split, list) and sum(int(n) for n in split) != layers:
+            return f"model {model} has {layers} layers, but the instance's split {split} covers {sum(split)}"
+        return ""
+
+    def _lose(self, inst: _Instance, problem: str, now: float) -> None:
+        """Mark `inst` lost and move its requests on, each counting a death."""
+        inst.state, inst.problem = "lost", problem
+        log.warning("instance %s lost: %s", inst.name, problem)
+        for rid in list(inst.requests):
+            r = self.requests.get(rid)
+            if r is not None and inst.name in r.instances.values():
+                r.deaths += 1
+                self._retry_or_fail(r, problem, now, {inst.name})
+        inst.requests.clear()
 
     def _heartbeat(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         stages = h.get("stages", inst.stages)
@@ -239,23 +302,25 @@ class Coordinator:
         for rid in list(inst.requests):
             self._attempt_failed(inst, {"rid": rid, "problem": f"instance {inst.name} left"}, now)
 
-    def _candidates(self, model: str) -> list[Candidate]:
-        """The model's ready instances as the routing policy sees them (weight: the share of demand the plan gave)."""
+    def _candidates(self, model: str, exclude: set[str] = frozenset()) -> list[Candidate]:
+        """The model's ready instances as the routing policy sees them (weight: the share of demand the plan gave),
+        but those in `exclude`."""
         return [Candidate(i.name, i.model, i.phase, i.region, i.weight) for i in self.instances.values()
-                if i.model == model and i.state == "ready"]
+                if i.model == model and i.state == "ready" and i.name not in exclude]
 
     def _check(self, now: float) -> None:
         t = self.cfg.timing
         for inst in list(self.instances.values()):
             if inst.state != "lost" and now - inst.last_seen > t.dead_after_s:
-                inst.state, inst.problem = "lost", f"scheduler silent for {now - inst.last_seen:.1f} s"
-                log.warning("instance %s lost: %s", inst.name, inst.problem)
-                for rid in list(inst.requests):
-                    self._attempt_failed(inst, {"rid": rid, "problem": f"instance {inst.name} {inst.problem}"}, now)
+                self._lose(inst, f"instance {inst.name} scheduler silent for {now - inst.last_seen:.1f} s", now)
         for r in list(self.requests.values()):
-            if now - r.last_progress > t.request_timeout_s:
+            if now > r.deadline:
+                self._finish_error(r, f"request ran past its deadline of {r.deadline - r.created:g} s.",
+                                   "send a shorter request, or a longer timeout_s", 504, type="timeout")
+            elif now - r.last_progress > t.request_timeout_s:
                 names = ", ".join(r.instances.values()) or "none"
-                self._retry_or_fail(r, f"no progress for {t.request_timeout_s:g} s on instance(s) {names}", now)
+                self._retry_or_fail(r, f"no progress for {t.request_timeout_s:g} s on instance(s) {names}", now,
+                                    set(r.instances.values()))
 
     # Requests
 
@@ -287,8 +352,12 @@ class Coordinator:
             raise RequestError(f"ignore_eos={h['ignore_eos']!r} is not true or false.", "send a JSON boolean")
         check_request(prompt, max_tokens, self._limits(model), model)
         sampling = SamplingParams.from_message(h.get("sampling")).message() if h.get("sampling") else None
-        r = _Request(f"req-{next(self._ids)}", sock, ident, h.get("tag"), model, prompt, max_tokens,
-                     h.get("ignore_eos", False), last_progress=now, sampling=sampling)
+        timeout_s = self.cfg.timing.request_deadline_s
+        if h.get("timeout_s") is not None:
+            timeout_s = min(timeout_s, finite_positive(h["timeout_s"], "timeout_s"))
+        r = _Request(f"req-{self.incarnation}-{next(self._ids)}", sock, ident, h.get("tag"), model, prompt,
+                     max_tokens, h.get("ignore_eos", False), last_progress=now, created=now,
+                     deadline=now + timeout_s, sampling=sampling)
         self.requests[r.rid] = r
         if not self.admission.admit(model, now):
             wait_s = self.admission.retry_after_s(model, now)
@@ -308,7 +377,7 @@ class Coordinator:
         r.last_progress = now
         prompt = r.prompt + r.out
         left = r.max_tokens - len(r.out)
-        route = self.routing.route(r.model, self._candidates(r.model))
+        route = self.routing.route(r.model, self._candidates(r.model, r.failed_on))
         entry, second = route or (None, None)
         if second is not None:
             prefill, decode = self.instances[entry.key], self.instances[second.key]
@@ -428,21 +497,28 @@ class Coordinator:
         if isinstance(status, int) and 400 <= status < 500:
             self._finish_error(r, str(h["problem"]), str(h.get("fix") or "change the request"), status)
         else:
-            self._retry_or_fail(r, str(h["problem"]), now)
+            problem = str(h["problem"])
+            if "was restarted" in problem or "stopped responding" in problem:
+                r.deaths += 1
+            self._retry_or_fail(r, problem, now, {inst.name})
 
-    def _retry_or_fail(self, r: _Request, problem: str, now: float) -> None:
+    def _retry_or_fail(self, r: _Request, problem: str, now: float, culprits: set[str] = frozenset()) -> None:
+        """Resume `r` on an instance it has not failed on, while retries are left; else fail it alone."""
         log.warning("request %s attempt %d failed: %s", r.rid, r.attempts, problem)
+        r.failed_on |= culprits
         self._release(r, cancel=True)
         if len(r.out) >= r.max_tokens:
             # Every token arrived and only the `done` was lost: nothing is left to redo.
             self._finish(r, "length")
             return
-        if r.attempts <= self.cfg.max_retries and self._routable(r.model):
+        if r.attempts <= self.cfg.max_retries and r.deaths < MAX_DEATHS and self._routable(r.model, r.failed_on):
             self.counts["retried"] += 1
             self._dispatch(r, now)
             return
-        tried = f" after {r.attempts} attempt(s)" if r.attempts > 1 else ""
-        self._finish_error(r, f"request failed{tried}: {problem}",
+        tried = f" after {r.attempts} attempt(s) on {', '.join(r.history)}" if r.attempts > 1 else ""
+        why = (f"; it was in flight on {r.deaths} instances that died, so it is not tried on another"
+               if r.deaths >= MAX_DEATHS else "")
+        self._finish_error(r, f"request failed{tried}: {problem}{why}",
                            "retry the request; the failed instance is out of rotation until it is healthy again",
                            503)
 
@@ -481,10 +557,10 @@ class Coordinator:
         log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
         wire.send(sock, {"kind": "admitted", "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
 
-    def _routable(self, model: str) -> bool:
-        """Whether `_dispatch` would start a request for `model` now: an aggregated instance, or a prefill
-        instance with a decode instance to hand over to (a prefill alone cannot finish a request)."""
-        candidates = self._candidates(model)
+    def _routable(self, model: str, exclude: set[str] = frozenset()) -> bool:
+        """Whether `_dispatch` would start a request for `model` now (on none of `exclude`): an aggregated instance,
+        or a prefill instance with a decode instance to hand over to (a prefill alone cannot finish a request)."""
+        candidates = self._candidates(model, exclude)
         return self.routing.can_route(model, candidates) and any(c.phase in ("aggregated", "decode")
                                                                  for c in candidates)
 

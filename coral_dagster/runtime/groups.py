@@ -100,7 +100,7 @@ def run_child(target: Callable[..., None], kwargs: dict[str, Any], parent: int, 
     die_with(parent)
     if log_path is not None:
         # Appended to, so that a restarted process's log follows the one it replaces.
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         sys.stdout = open(1, "w", buffering=1, closefd=False)

@@ -7,6 +7,8 @@ import math
 import multiprocessing
 import os
 import secrets
+import select
+import signal
 import socket
 import tempfile
 import threading
@@ -20,7 +22,7 @@ from coral_dagster.errors import CoralError
 from coral_dagster.runtime import groups, roles
 from coral_dagster.runtime.client import Client
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing, stage_ranges
-from coral_dagster.runtime.security import CurveKeys
+from coral_dagster.runtime.security import CurveKeys, tcp_endpoint, write_secret
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +42,18 @@ class InstanceLayout:
         return self.nodes_per_stage or (1,) * len(self.split)
 
 
+# Instances (and engine nodes per stage) one machine is asked to run: far above what fits, far below a fork bomb.
+MAX_LOCAL_INSTANCES = 64
+
+
 def local_instances(split: tuple[int, ...], instances: int, pd: bool = False,
                     decode_split: tuple[int, ...] | None = None,
                     nodes_per_stage: tuple[int, ...] = ()) -> list[InstanceLayout]:
     """`instances` aggregated instances, or with `pd` ceil(n/2) prefill and floor(n/2) decode instances."""
+    if instances > MAX_LOCAL_INSTANCES or sum(nodes_per_stage) > MAX_LOCAL_INSTANCES:
+        raise CoralError(f"--instances {instances} with --stage-nodes {nodes_per_stage or 'one each'} would start more "
+                         f"than {MAX_LOCAL_INSTANCES} of anything on one machine.",
+                         f"pass at most {MAX_LOCAL_INSTANCES} instances and nodes per stage")
     if instances < (2 if pd else 1):
         raise CoralError(f"--instances {instances} is too few{' for PD (one prefill and one decode)' if pd else ''}.",
                          f"pass --instances {2 if pd else 1} or more")
@@ -61,9 +71,13 @@ def local_instances(split: tuple[int, ...], instances: int, pd: bool = False,
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.bind((host, 0))
+            return s.getsockname()[1]
+    except OSError as exc:
+        raise CoralError(f"cannot listen on host {host!r} ({exc.strerror or exc}).",
+                         "pass an address of this machine, e.g. --host 127.0.0.1 or --host ::1") from None
 
 
 # Children fork from a server that imported torch once, instead of each paying seconds of imports.
@@ -104,6 +118,9 @@ class LocalDeployment:
     vllm_launch: dict[str, Any] = field(default_factory=dict)
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
+    # A pidfd per role: whether it runs is read from the kernel, not from multiprocessing, which reads every child
+    # of a dead fork server as exited (status 255).
+    pidfds: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.http_port = self.http_port or free_port(self.host)
@@ -113,9 +130,7 @@ class LocalDeployment:
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="coral-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.api_key_file = self.log_dir / "api_key"
-        fd = os.open(self.api_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.api_key + "\n")
+        write_secret(self.api_key_file, self.api_key + "\n")
         self._roles: dict[str, tuple[Callable[..., None], dict[str, Any], bool]] = {}
         self._stopping = threading.Event()
         self._ready = threading.Event()
@@ -123,11 +138,11 @@ class LocalDeployment:
 
     @property
     def coordinator(self) -> str:
-        return f"tcp://{self.host}:{self.zmq_port}"
+        return tcp_endpoint(self.host, self.zmq_port)
 
     @property
     def http_url(self) -> str:
-        return f"http://{self.host}:{self.http_port}"
+        return f"http://[{self.host}]:{self.http_port}" if ":" in self.host else f"http://{self.host}:{self.http_port}"
 
     def spawn(self, name: str, target: Callable[..., None], kwargs: dict[str, Any],
               own_children: bool = False) -> None:
@@ -143,7 +158,21 @@ class LocalDeployment:
                            daemon=not own_children)
         proc.start()
         self.procs[name] = proc
+        if name in self.pidfds:
+            os.close(self.pidfds[name])
+        self.pidfds[name] = os.pidfd_open(proc.pid)
         self._roles[name] = (target, kwargs, own_children)
+
+    def exitcode(self, name: str, wait_s: float = 0.0) -> int | None:
+        """Role `name`'s exit status once its process has ended (waiting up to `wait_s`), else None."""
+        fd = self.pidfds.get(name)
+        if fd is not None and not select.select([fd], [], [], wait_s)[0]:
+            return None
+        proc = self.procs[name]
+        if proc.exitcode is None:
+            # Its status travels through the fork server, a moment after the kernel says it ended.
+            proc.join(1.0)
+        return proc.exitcode if proc.exitcode is not None else 255
 
     def start(self) -> None:
         """Launch the coordinator, then each instance's scheduler and engine nodes, and supervise them."""
@@ -153,7 +182,7 @@ class LocalDeployment:
             max_retries=self.max_retries, api_key=self.api_key, timing=t)})
         n_layers = roles.model_layers(self.model)
         for inst in self.instances:
-            listen = f"tcp://{self.host}:{free_port(self.host)}"
+            listen = tcp_endpoint(self.host, free_port(self.host))
             self.spawn(f"{inst.name}.scheduler", roles.run_scheduler, {"cfg": SchedulerConfig(
                 instance=inst.name, model=self.model, phase=inst.phase, split=(n_layers,) if vllm else inst.split,
                 n_layers=n_layers, coordinator=self.coordinator, listen=listen, tokens_per_s=inst.tokens_per_s,
@@ -161,7 +190,7 @@ class LocalDeployment:
             if vllm:
                 node = f"{inst.name}.vllm"
                 settings = NodeSettings(node=node, model=self.model, start=0, end=n_layers, n_layers=n_layers,
-                                        stage=0, scheduler=listen, listen=f"tcp://{self.host}:*", engine="vllm",
+                                        stage=0, scheduler=listen, listen=tcp_endpoint(self.host, "*"), engine="vllm",
                                         split=inst.split, tp=self.vllm_launch.get("tp", 1), timing=t)
                 launch = {"master_addr": self.host, "master_port": free_port(self.host), **self.vllm_launch}
                 self.spawn(node, roles.run_engine, {"settings": settings, "launch": launch}, own_children=True)
@@ -171,7 +200,7 @@ class LocalDeployment:
                     node = f"{inst.name}.s{stage}.n{k}"
                     self.spawn(node, roles.run_engine, {"settings": NodeSettings(
                         node=node, model=self.model, start=start, end=end, n_layers=n_layers, stage=stage,
-                        scheduler=listen, listen=f"tcp://{self.host}:*", timing=t)})
+                        scheduler=listen, listen=tcp_endpoint(self.host, "*"), timing=t)})
         self.supervise()
 
     def client(self, timeout_s: float = 60.0) -> Client:
@@ -182,7 +211,7 @@ class LocalDeployment:
         deadline = time.monotonic() + timeout_s
         with self.client(timeout_s=2.0) as c:
             while True:
-                dead = {n: p.exitcode for n, p in self.procs.items() if p.exitcode is not None}
+                dead = {n: code for n in self.procs if (code := self.exitcode(n)) is not None}
                 if dead:
                     raise CoralError(f"processes exited during start-up: {dead}; logs in {self.log_dir}.",
                                      "read those logs; the first error names the fix")
@@ -209,17 +238,18 @@ class LocalDeployment:
         while not self._stopping.wait(poll_s):
             now = time.monotonic()
             for name, proc in list(self.procs.items()):
-                if proc.exitcode is None:
+                code = self.exitcode(name)
+                if code is None:
                     continue
                 if proc.pid not in swept:
                     swept.add(proc.pid)
                     groups.kill_group(proc.pid)
-                if name == "coordinator" or proc.exitcode == 0 or not (self.restart and self._ready.is_set()):
+                if name == "coordinator" or code == 0 or not (self.restart and self._ready.is_set()):
                     continue
                 if name not in due:
                     n = self.restarts.get(name, 0)
                     due[name] = now + groups.restart_delay_s(n, self.backoff_s, self.max_backoff_s)
-                    log.warning("%s exited with %s; restarting in %.1f s", name, proc.exitcode, due[name] - now)
+                    log.warning("%s exited with %s; restarting in %.1f s", name, code, due[name] - now)
                 elif now >= due[name]:
                     del due[name]
                     self.restarts[name] = self.restarts.get(name, 0) + 1
@@ -232,29 +262,39 @@ class LocalDeployment:
                 "instances": [{"instance": i.name, "phase": i.phase, "split": list(i.split)} for i in self.instances]}
 
     def alive(self, name: str) -> bool:
-        return self.procs[name].is_alive()
+        return self.exitcode(name) is None
+
+    def _signal(self, name: str, signum: int) -> None:
+        try:
+            os.kill(self.procs[name].pid, signum)
+        except ProcessLookupError:
+            pass
 
     def kill(self, name: str) -> None:
         """SIGKILL one process and its group, as a machine failure would."""
-        self.procs[name].kill()
+        self._signal(name, signal.SIGKILL)
         groups.kill_group(self.procs[name].pid)
-        self.procs[name].join(timeout=10)
+        self.exitcode(name, wait_s=10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every process still running, then SIGKILL whatever outlives `timeout_s`, with its group."""
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        for p in self.procs.values():
-            if p.is_alive():
-                p.terminate()
+        if not self.pidfds:
+            return
+        for name in self.procs:
+            if self.alive(name):
+                self._signal(name, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
-        for p in self.procs.values():
-            p.join(timeout=max(0.1, deadline - time.monotonic()))
-            if p.is_alive():
-                p.kill()
+        for name, p in self.procs.items():
+            if self.exitcode(name, wait_s=max(0.1, deadline - time.monotonic())) is None:
+                self._signal(name, signal.SIGKILL)
             groups.kill_group(p.pid)
             p.join(timeout=5)
+        for fd in self.pidfds.values():
+            os.close(fd)
+        self.pidfds.clear()
 
     def __enter__(self) -> LocalDeployment:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ import numpy as np
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import Kind, Link, ProtocolError, check
 from coral_dagster.runtime.config import NodeSettings
 from coral_dagster.runtime.engine import Engine, Step, StepOutput
 from coral_dagster.runtime.limits import RequestError
@@ -35,8 +37,11 @@ class EngineNode:
 
     Data messages: `forward {rid, pos, stage, route: [data address per stage], handoff: [[start, end, address]]
     or null}` with the token ids (first stage) or hidden states; `kv {rid, start, end}` with K and V per layer.
-    Control to the scheduler: `hello`, `heartbeat`, `token {rid, token}`, `error {rid, problem}`; from it:
-    `welcome`, `reject`, `rehello`, `ping`, `free {rid}`, `stop`.
+    Control to the scheduler: `hello`, `token {rid, token}`, `error {rid, problem}`; from it: `welcome`,
+    `reject`, `rehello`, `ping`, `free {rid}`, `stop`. Heartbeats (`pulse`) come from a thread of their own
+    (`_Pulse`), so that a forward pass that holds this loop for seconds does not make the node look dead; every
+    hello and pulse carries the process's `incarnation`, so a node killed and restarted under the same name is
+    told apart from the one it replaces.
     """
 
     # Whether the engine generates whole requests from one submission (the scheduler then sends one forward).
@@ -55,10 +60,13 @@ class EngineNode:
         self.address = settings.advertise or bound
         self.ctl = self.ctx.socket(zmq.DEALER)
         self.ctl.linger = 0
-        self.ctl.setsockopt(zmq.IDENTITY, settings.node.encode())
         self.security.connect(self.ctl, settings.scheduler)
+        self.incarnation = secrets.token_hex(16)
+        self._pulse = _Pulse(self)
         self._pending: dict[str, _Pending] = {}
         self._touched: dict[str, float] = {}
+        # Requests the scheduler freed: a step of one still on its way from the previous stage is dropped.
+        self._freed: dict[str, float] = {}
         self.welcomed = False
         self.rejected: str | None = None
         self.steps_run = 0
@@ -69,7 +77,8 @@ class EngineNode:
     def _hello(self) -> None:
         s = self.s
         self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
-                            "data": self.address, "model": s.model, "engine": s.engine, "streams": self.streams})
+                            "data": self.address, "model": s.model, "engine": s.engine, "streams": self.streams,
+                            "incarnation": self.incarnation})
 
     def _error(self, rid: str, problem: str, status: int | None = None) -> None:
         """Fail one request on this node; `status` 400 says the request itself is at fault (not retried)."""
@@ -87,16 +96,20 @@ class EngineNode:
         poller = zmq.Poller()
         poller.register(self.ctl, zmq.POLLIN)
         poller.register(self.data, zmq.POLLIN)
-        last_beat = last_upstream = 0.0
+        last_hello = last_upstream = 0.0
         started = time.monotonic()
         busy = False
+        self._pulse.start()
         try:
             while not stop.is_set():
                 now = time.monotonic()
-                if now - last_beat >= t.heartbeat_s:
-                    self._hello() if not self.welcomed else self._to_scheduler(
-                        {"kind": "heartbeat", "cached": len(self._touched)})
-                    last_beat = now
+                if self._pulse.unknown.is_set():
+                    # A scheduler that does not know this node (it restarted) heard a pulse: say hello again.
+                    self._pulse.unknown.clear()
+                    self.welcomed = False
+                if not self.welcomed and now - last_hello >= t.heartbeat_s:
+                    self._hello()
+                    last_hello = now
                 events = dict(poller.poll(timeout=0 if busy else int(1000 * t.heartbeat_s / 2)))
                 now = time.monotonic()
                 if self.ctl in events:
@@ -117,40 +130,54 @@ class EngineNode:
         finally:
             self.close()
 
+    # What each kind the scheduler sends does (PING only proves the scheduler is there).
+    CONTROL_KINDS = frozenset({Kind.WELCOME, Kind.REHELLO, Kind.REJECT, Kind.FREE, Kind.STOP, Kind.PING})
+
     def _drain_control(self) -> str | None:
         for _, h, _ in wire.drain(self.ctl):
-            kind = h["kind"]
-            if kind == "welcome":
+            try:
+                _, kind = check(Link.SCHEDULER_TO_NODE, h)
+            except ProtocolError as exc:
+                log.warning("dropping a control message: %s", exc)
+                continue
+            if kind is Kind.WELCOME:
                 self.welcomed = True
-            elif kind == "rehello":
+            elif kind is Kind.REHELLO:
                 self.welcomed = False
                 self._hello()
-            elif kind == "reject":
+            elif kind is Kind.REJECT:
                 self.rejected = str(h.get("problem"))
                 return f"rejected by scheduler: {self.rejected}"
-            elif kind == "free":
-                rid = str(h.get("rid"))
+            elif kind is Kind.FREE:
+                rid = h["rid"]
                 self.engine.free(rid)
                 self._pending.pop(rid, None)
                 self._touched.pop(rid, None)
-            elif kind == "stop":
+                self._freed[rid] = time.monotonic()
+            elif kind is Kind.STOP:
                 return "stopped by scheduler"
         return None
 
     def _drain_data(self, now: float) -> list[tuple[dict[str, Any], Step]]:
         batch: list[tuple[dict[str, Any], Step]] = []
         seen: set[str] = set()
-        for _, h, arrays in wire.drain(self.data, limit=self.s.max_batch):
-            if "rid" not in h:
-                log.warning("dropping a data message without a request id")
+        for _, h, arrays in wire.drain(self.data, limit=self.s.max_batch, tensors=True):
+            try:
+                _, kind = check(Link.DATA, h)
+            except ProtocolError as exc:
+                log.warning("dropping a data message: %s", exc)
+                if isinstance(h.get("rid"), str) and h["rid"] not in self._freed:
+                    self._error(h["rid"], f"bad data message: {exc}", 400)
                 continue
-            rid = str(h["rid"])
+            rid = h["rid"]
+            if rid in self._freed:
+                continue
             self._touched[rid] = now
-            if h["kind"] == "kv":
+            if kind is Kind.KV:
                 self._import_kv(rid, h, arrays)
                 continue
-            if h["kind"] != "forward" or len(arrays) != 1:
-                log.warning("dropping data message of kind %r with %d arrays", h["kind"], len(arrays))
+            if len(arrays) != 1:
+                log.warning("dropping a forward with %d arrays", len(arrays))
                 continue
             try:
                 step = self._step(rid, h, arrays[0])
@@ -207,6 +234,9 @@ class EngineNode:
                 self._error(rid, f"KV cache for position {p.step.pos} did not arrive within "
                             f"{self.s.timing.kv_timeout_s:g} s")
         stale = now - 2 * self.s.timing.request_timeout_s
+        for rid, freed in list(self._freed.items()):
+            if freed < stale:
+                del self._freed[rid]
         for rid, seen in list(self._touched.items()):
             if seen < stale:
                 # The scheduler forgot this request (it died or restarted): reclaim the cache.
@@ -268,8 +298,45 @@ class EngineNode:
                 self._error(rid, f"decode node at {address} is not accepting the KV handoff")
 
     def close(self) -> None:
+        self._pulse.stop()
         for sock in (self.ctl, self.data):
             sock.close(linger=0)
         self.security.close()
         if self._own_ctx:
             self.ctx.term()
+
+
+class _Pulse:
+    """The node's heartbeat: a thread with a DEALER socket of its own that says every `heartbeat_s` that the process
+    lives, whatever its main loop is doing (a forward pass of seconds, which releases the GIL in its kernels)."""
+
+    def __init__(self, node: EngineNode) -> None:
+        self.node = node
+        # Set when the scheduler answers a pulse with `rehello`: it does not know this node.
+        self.unknown = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"coral-pulse-{node.s.node}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        n = self.node
+        sock = n.ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        try:
+            n.security.connect(sock, n.s.scheduler)
+            beat = {"kind": "pulse", "node": n.s.node, "incarnation": n.incarnation}
+            while True:
+                wire.send(sock, beat)
+                if self._stop.wait(n.s.timing.heartbeat_s):
+                    return
+                if any(h["kind"] == "rehello" for _, h, _ in wire.drain(sock)):
+                    self.unknown.set()
+        finally:
+            sock.close(linger=0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import numpy as np
 import zmq
 
 from coral_dagster.runtime import wire
+from coral_dagster.runtime.protocol import Kind, Link, check
 from coral_dagster.runtime.config import SchedulerConfig, stage_ranges
 from coral_dagster.runtime.security import CurveKeys, Security
 from coral_dagster.runtime.tokenizer import finish_reason
@@ -29,6 +31,9 @@ class _Node:
     last_seen: float
     # The node generates a whole request from one submission (vLLM) instead of one forward per token.
     streams: bool = False
+    # The connection that said hello (its routing id) and the process behind it (a restart is another).
+    ident: bytes = b""
+    incarnation: str = ""
 
 
 @dataclass
@@ -55,6 +60,10 @@ class Scheduler:
     `prefill {rid, tokens, handoff}`, `decode {rid, prompt_len, max_tokens, ignore_eos}` (answered with
     `kv_route`), `first_token {rid, token}`, `cancel {rid}`, `drain`. To it: `register`, `heartbeat`, `health`,
     `token`, `done`, `prefilled`, `kv_route`, `error`, `draining`, `left`.
+
+    A node is bound to the connection that said hello: routing ids are never handed over to a newer connection,
+    and a hello under a known name is taken only once the old connection is gone (a restart), whose requests then
+    fail at once, to resume on another instance.
     """
 
     def __init__(self, cfg: SchedulerConfig, keys: CurveKeys | None = None, insecure: bool = False,
@@ -67,12 +76,11 @@ class Scheduler:
         self.security = Security(self.ctx, keys, insecure)
         self.engines = self.ctx.socket(zmq.ROUTER)
         self.engines.linger = 0
-        self.engines.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        self.address = self.security.bind(self.engines, cfg.listen)
+        self.address = self.security.bind(self.engines, cfg.listen, router=True)
         self.coord = self.ctx.socket(zmq.DEALER)
         self.coord.linger = 0
-        self.coord.setsockopt(zmq.IDENTITY, f"scheduler:{cfg.instance}".encode())
         self.security.connect(self.coord, cfg.coordinator)
+        self.incarnation = secrets.token_hex(16)
         self.nodes: dict[str, _Node] = {}
         self.requests: dict[str, _Request] = {}
         self._wrr = [WeightedRoundRobin() for _ in self.ranges]
@@ -88,8 +96,9 @@ class Scheduler:
     def _to_coord(self, header: dict[str, Any]) -> None:
         wire.send(self.coord, {**header, "instance": self.cfg.instance})
 
-    def _to_node(self, node: str, header: dict[str, Any]) -> None:
-        wire.send(self.engines, header, to=node.encode())
+    def _to_node(self, node: str, header: dict[str, Any]) -> bool:
+        """Send to a known node's connection; False when that connection is gone."""
+        return wire.send(self.engines, header, to=self.nodes[node].ident)
 
     def _stage_ready(self) -> list[bool]:
         return [any(n.stage == s for n in self.nodes.values()) for s in range(len(self.ranges))]
@@ -101,7 +110,8 @@ class Scheduler:
 
     def _registration(self) -> dict[str, Any]:
         c = self.cfg
-        return {"kind": "register", "model": c.model, "phase": c.phase, "tokens_per_s": c.tokens_per_s,
+        return {"kind": "register", "incarnation": self.incarnation, "model": c.model, "phase": c.phase,
+                "tokens_per_s": c.tokens_per_s,
                 "region": c.region, "weight": c.route_weight or c.tokens_per_s,
                 "split": list(c.split), "stages": self._stages(),
                 "limits": c.limits.message() if c.limits else None}
@@ -145,8 +155,9 @@ class Scheduler:
     def _beat(self) -> None:
         if not self.registered and all(self._stage_ready()):
             self._to_coord(self._registration())
-        self._to_coord({"kind": "heartbeat", "healthy": self.healthy, "in_flight": len(self.requests),
-                        "draining": self.draining_since is not None, "stages": self._stages()})
+        self._to_coord({"kind": "heartbeat", "incarnation": self.incarnation, "healthy": self.healthy,
+                        "in_flight": len(self.requests), "draining": self.draining_since is not None,
+                        "stages": self._stages()})
         for n in self.nodes.values():
             self._to_node(n.node, {"kind": "ping"})
 
@@ -177,14 +188,19 @@ class Scheduler:
     def _check_nodes(self, now: float) -> None:
         dead = [n for n in self.nodes.values() if now - n.last_seen > self.cfg.timing.dead_after_s]
         for n in dead:
-            del self.nodes[n.node]
             log.warning("engine node %s (stage %d) missed heartbeats for %.1f s", n.node, n.stage,
                         now - n.last_seen)
-        # Health first, so the coordinator routes the failed requests' retries elsewhere.
+        self._lose(dead, "stopped responding")
+
+    def _lose(self, dead: list[_Node], how: str) -> None:
+        """Forget `dead` nodes and fail the requests routed through them (health first, so the coordinator sends
+        their retries elsewhere)."""
+        for n in dead:
+            self.nodes.pop(n.node, None)
         self._set_health()
         for n in dead:
             problem = (f"engine node {n.node} (stage {n.stage}, layers {self.ranges[n.stage][0]}:"
-                       f"{self.ranges[n.stage][1]}) of instance {self.cfg.instance} stopped responding")
+                       f"{self.ranges[n.stage][1]}) of instance {self.cfg.instance} {how}")
             for rid, r in list(self.requests.items()):
                 if n.address in r.route:
                     self._fail(rid, problem)
@@ -212,37 +228,65 @@ class Scheduler:
     def _from_engines(self, now: float) -> None:
         for ident, h, _ in wire.drain(self.engines, routed=True):
             try:
-                self._on_engine(ident.decode(errors="replace"), h, now)
+                self._on_engine(ident, h, now)
             except Exception as exc:  # noqa: BLE001 - a bad message is dropped, never fatal
                 log.warning("dropping a %s message from an engine: %r", h["kind"], exc)
 
-    def _on_engine(self, name: str, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        if kind == "hello":
-            self._hello(name, h, now)
+    # The handler of each kind an engine node sends; HELLO and PULSE may come from a connection not yet known.
+    ENGINE_HANDLERS = {Kind.HELLO: "_hello", Kind.PULSE: "_pulse", Kind.TOKEN: "_node_token",
+                       Kind.ERROR: "_node_error"}
+
+    def _on_engine(self, ident: bytes, h: dict[str, Any], now: float) -> None:
+        _, kind = check(Link.NODE_TO_SCHEDULER, h)
+        if kind in (Kind.HELLO, Kind.PULSE):
+            getattr(self, self.ENGINE_HANDLERS[kind])(ident, h, now)
             return
-        node = self.nodes.get(name)
+        node = next((n for n in self.nodes.values() if n.ident == ident), None)
         if node is None:
-            self._to_node(name, {"kind": "rehello"})
+            wire.send(self.engines, {"kind": Kind.REHELLO}, to=ident)
             return
         node.last_seen = now
-        if kind == "token":
-            self._token(str(h["rid"]), int(h["token"]), int(h["pos"]), now, h.get("logprobs"))
-        elif kind == "error":
-            status = h.get("status")
-            self._fail(str(h["rid"]), str(h["problem"]), status if isinstance(status, int) else None)
+        getattr(self, self.ENGINE_HANDLERS[kind])(h, now)
 
-    def _hello(self, name: str, h: dict[str, Any], now: float) -> None:
+    def _pulse(self, ident: bytes, h: dict[str, Any], now: float) -> None:
+        """From the node's heartbeat thread, on a connection of its own: the incarnation vouches for it."""
+        node = self.nodes.get(h["node"])
+        if node is None:
+            wire.send(self.engines, {"kind": Kind.REHELLO}, to=ident)
+        elif h["incarnation"] == node.incarnation:
+            node.last_seen = now
+
+    def _node_token(self, h: dict[str, Any], now: float) -> None:
+        self._token(h["rid"], h["token"], h["pos"], now, h.get("logprobs"))
+
+    def _node_error(self, h: dict[str, Any], now: float) -> None:
+        self._fail(h["rid"], h["problem"], h.get("status"))
+
+    def _hello(self, ident: bytes, h: dict[str, Any], now: float) -> None:
+        name, incarnation = str(h["node"]), str(h.get("incarnation", ""))
+        old = self.nodes.get(name)
+        if old is not None and old.ident != ident:
+            if wire.send(self.engines, {"kind": "ping"}, to=old.ident):
+                problem = f"node {name} is already connected to instance {self.cfg.instance}"
+                log.warning("refused a second hello of live node %s", name)
+                wire.send(self.engines, {"kind": "reject", "problem": problem}, to=ident)
+                return
+            # The old connection is gone: the process was killed and restarted, its requests are lost.
+            self._lose([old], "was restarted (its process was replaced)")
+            old = None
         stage = h.get("stage")
         expected = self.ranges[stage] if isinstance(stage, int) and 0 <= stage < len(self.ranges) else None
         if h.get("model") != self.cfg.model or expected != (h.get("start"), h.get("end")):
             problem = (f"node {name} offers {h.get('model')} stage {stage} layers {h.get('start')}:{h.get('end')}, "
                        f"but instance {self.cfg.instance} serves {self.cfg.model} with stages {self.ranges}")
             log.warning(problem)
-            self._to_node(name, {"kind": "reject", "problem": problem})
+            wire.send(self.engines, {"kind": "reject", "problem": problem}, to=ident)
             return
+        if old is not None and old.incarnation != incarnation:
+            # The same connection, another process behind it: no request of the old one survives.
+            self._lose([old], "was restarted (its process was replaced)")
         self.nodes[name] = _Node(name, stage, float(h.get("share", 1.0)), str(h["data"]), now,
-                                 bool(h.get("streams")))
+                                 bool(h.get("streams")), ident, incarnation)
         self._to_node(name, {"kind": "welcome"})
         self._set_health()
 
@@ -277,31 +321,45 @@ class Scheduler:
                     self._fail(rid, f"instance {self.cfg.instance} could not run the request: {exc!r}",
                                400 if request_fault else None)
 
-    def _on_coordinator(self, h: dict[str, Any], now: float) -> None:
-        kind = h["kind"]
-        if kind == "registered":
-            self.registered = True
-            self._to_coord({"kind": "health", "healthy": self.healthy, "problem": ""})
-        elif kind == "reregister":
-            self.registered = False
-        elif kind == "refused":
-            log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
-        elif kind == "drain":
-            self._drain.set()
-        elif kind == "cancel":
-            r = self.requests.pop(str(h["rid"]), None)
-            if r is not None:
-                self._free(r)
-        elif kind in ("generate", "prefill", "decode"):
-            self._admit(kind, h, now)
-        elif kind == "first_token":
-            r = self.requests.get(str(h["rid"]))
-            if r is not None:
-                r.n_out, r.last_progress = 1, now
-                self._forward(r, [int(h["token"])])
+    # The handler of each kind the coordinator sends.
+    COORDINATOR_HANDLERS = {Kind.REGISTERED: "_registered", Kind.REREGISTER: "_reregister", Kind.ACK: "_ack",
+                            Kind.REFUSED: "_refused", Kind.DRAIN: "_drain_ordered", Kind.CANCEL: "_cancel",
+                            Kind.GENERATE: "_admit", Kind.PREFILL: "_admit", Kind.DECODE: "_admit",
+                            Kind.FIRST_TOKEN: "_first_token"}
 
-    def _admit(self, kind: str, h: dict[str, Any], now: float) -> None:
-        rid = str(h["rid"])
+    def _on_coordinator(self, h: dict[str, Any], now: float) -> None:
+        _, kind = check(Link.COORDINATOR_TO_SCHEDULER, h)
+        getattr(self, self.COORDINATOR_HANDLERS[kind])(h, now)
+
+    def _registered(self, h: dict[str, Any], now: float) -> None:
+        self.registered = True
+        self._to_coord({"kind": Kind.HEALTH, "healthy": self.healthy, "problem": ""})
+
+    def _reregister(self, h: dict[str, Any], now: float) -> None:
+        self.registered = False
+
+    def _ack(self, h: dict[str, Any], now: float) -> None:
+        """The coordinator heard a heartbeat (or probed this connection): hearing it is all that counts."""
+
+    def _refused(self, h: dict[str, Any], now: float) -> None:
+        log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
+
+    def _drain_ordered(self, h: dict[str, Any], now: float) -> None:
+        self._drain.set()
+
+    def _cancel(self, h: dict[str, Any], now: float) -> None:
+        r = self.requests.pop(h["rid"], None)
+        if r is not None:
+            self._free(r)
+
+    def _first_token(self, h: dict[str, Any], now: float) -> None:
+        r = self.requests.get(h["rid"])
+        if r is not None:
+            r.n_out, r.last_progress = 1, now
+            self._forward(r, [h["token"]])
+
+    def _admit(self, h: dict[str, Any], now: float) -> None:
+        kind, rid = h["kind"], h["rid"]
         if self.draining_since is not None or not self.healthy:
             state = "draining" if self.draining_since is not None else "unhealthy"
             self._to_coord({"kind": "error", "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import secrets
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from pathlib import Path
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime.protocol import Env
 from coral_dagster.runtime.wire import MAX_CONTROL_BYTES
 
-ENV_SECRET_KEY = "CORAL_CURVE_SECRET_KEY"
-ENV_PUBLIC_KEYS = "CORAL_CURVE_PUBLIC_KEYS"
+ENV_SECRET_KEY = Env.CURVE_SECRET_KEY.value
+ENV_PUBLIC_KEYS = Env.CURVE_PUBLIC_KEYS.value
 
 
 @dataclass(frozen=True)
@@ -56,11 +59,64 @@ class CurveKeys:
         return {ENV_SECRET_KEY: self.secret.decode(), ENV_PUBLIC_KEYS: self.public.decode()}
 
 
+def write_secret(path: Path, text: str) -> None:
+    """Write `text` (a key) to `path`, readable by this user only (0600, whatever mode a file there had); refuses
+    a symbolic link (its target would be overwritten), anything but a regular file, and a file of another user.
+
+    The text goes to a new file (O_EXCL, O_NOFOLLOW) that then replaces `path`; a rename replaces a link that
+    appeared meanwhile, never its target.
+    """
+    path = Path(path)
+    fix = "remove it, or pass another --log-dir (one only you can write to)"
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISLNK(st.st_mode):
+        raise CoralError(f"{path} is a symbolic link; refusing to write a key through it.", fix)
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise CoralError(f"{path} is not a regular file; refusing to write a key there.", fix)
+    if st is not None and st.st_uid != os.getuid():
+        raise CoralError(f"{path} belongs to user id {st.st_uid}, not to you; refusing to write a key there.", fix)
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a `tcp://host:port` endpoint; an IPv6 address with or without brackets (`[::1]`, `::1`)."""
+    rest = endpoint.split("://", 1)[-1]
+    return (rest.rsplit(":", 1)[0] if ":" in rest else rest).strip("[]")
+
+
+def tcp_endpoint(host: str, port: int | str) -> str:
+    """`tcp://host:port`, an IPv6 host in brackets as ZeroMQ and URLs want it."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def _zmq_tcp(sock: zmq.Socket, endpoint: str) -> str:
+    """`endpoint` as ZeroMQ takes it: an IPv6 host bracketed, with IPv6 enabled on the socket."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    host = endpoint_host(endpoint)
+    if ":" not in host:
+        return endpoint
+    sock.ipv6 = True
+    return tcp_endpoint(host, endpoint.rsplit(":", 1)[1])
+
+
 def is_local(endpoint: str) -> bool:
-    """True for inproc/ipc endpoints and TCP on a loopback address."""
+    """True for inproc/ipc endpoints and TCP on a loopback address (IPv6 `::1` included)."""
     if endpoint.startswith(("inproc://", "ipc://")):
         return True
-    host = urlsplit(endpoint).hostname or ""
+    host = endpoint_host(endpoint)
     if host == "localhost":
         return True
     try:
@@ -99,10 +155,20 @@ class Security:
                              f"set {ENV_SECRET_KEY} (from `coral serve keys`) on every process of the deployment, "
                              "or pass --insecure on a trusted network")
 
-    def bind(self, sock: zmq.Socket, endpoint: str, max_bytes: int = MAX_CONTROL_BYTES) -> str:
-        """Bind as a CURVE server admitting only the deployment's keys, refusing messages over `max_bytes` before
-        they are read; returns the bound endpoint."""
+    def bind(self, sock: zmq.Socket, endpoint: str, max_bytes: int = MAX_CONTROL_BYTES, router: bool = False) -> str:
+        """Bind as a CURVE server admitting only the deployment's keys, refusing frames over `max_bytes` before
+        they are read; returns the bound endpoint.
+
+        A `router` keeps each routing id with the connection that first used it (a newer connection cannot take a
+        live peer's id over), says when a peer is gone (a send to it fails instead of vanishing), and drops a
+        connection whose peer stops answering ZMTP pings (a host that died without closing its sockets).
+        """
         self._check(endpoint, "listen on")
+        if router:
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 0)
+            sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
         if self.keys is not None and endpoint.startswith("tcp://"):
             if self._auth is None:
                 self._auth = ThreadAuthenticator(self.ctx)
@@ -112,7 +178,7 @@ class Security:
             sock.curve_publickey = self.keys.public
             sock.curve_server = True
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        sock.bind(endpoint)
+        sock.bind(_zmq_tcp(sock, endpoint))
         return sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def connect(self, sock: zmq.Socket, endpoint: str, server_key: bytes | None = None,
@@ -124,7 +190,7 @@ class Security:
             sock.curve_publickey = self.keys.public
             sock.curve_serverkey = server_key or self.keys.public
         sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
-        sock.connect(endpoint)
+        sock.connect(_zmq_tcp(sock, endpoint))
 
     def push(self, endpoint: str) -> zmq.Socket:
         """The PUSH socket connected to `endpoint` (a stage's data socket), made on first use and kept until `close`."""

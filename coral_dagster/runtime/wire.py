@@ -93,17 +93,37 @@ def send(sock: zmq.Socket, header: dict[str, Any], arrays: Sequence[np.ndarray] 
     return True
 
 
-def drain(sock: zmq.Socket, routed: bool = False,
-          limit: int | None = None) -> Iterator[tuple[bytes | None, dict[str, Any], list[np.ndarray]]]:
+def _receive(sock: zmq.Socket, max_frames: int) -> list[zmq.Frame] | None:
+    """The next message's frames, or None (its frames read and released one by one) when it has more than
+    `max_frames`; raises zmq.Again when nothing waits."""
+    frame = sock.recv(flags=zmq.NOBLOCK, copy=False)
+    frames, n = [frame], 1
+    while frame.more:
+        frame = sock.recv(copy=False)
+        n += 1
+        if n <= max_frames:
+            frames.append(frame)
+    if n > max_frames:
+        log.warning("dropping a message of %d frames (at most %d here)", n, max_frames)
+        return None
+    return frames
+
+
+def drain(sock: zmq.Socket, routed: bool = False, limit: int | None = None,
+          tensors: bool = False) -> Iterator[tuple[bytes | None, dict[str, Any], list[np.ndarray]]]:
     """(sender routing id or None, header, arrays) of each message waiting on `sock`, at most `limit`;
-    malformed messages are logged and skipped."""
+    malformed messages are logged and skipped. A control socket (`tensors` off) takes one header frame per
+    message: ZeroMQ caps each frame's size (MAXMSGSIZE), so a frame count bounds a message's total."""
+    max_frames = int(routed) + (1 + MAX_FRAMES if tensors else 1)
     n = 0
     while limit is None or n < limit:
         try:
-            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            frames = _receive(sock, max_frames)
         except zmq.Again:
             return
         n += 1
+        if frames is None:
+            continue
         sender = None
         if routed:
             sender, frames = frames[0].bytes, frames[1:]

@@ -12,7 +12,10 @@ first stage.
 
 Chunked prefill follows vLLM's: a prompt longer than a node's token budget is prefilled in chunks over several
 iterations, and a later chunk attends to the KV cache of the prompt's earlier ones (`past_tokens` of the latency
-model), so the chunks of a prompt cost the whole prompt's attention plus the rest of the layer once per pass.
+model), so the chunks of a prompt cost the whole prompt's attention plus the rest of the layer once per pass. An
+iteration first takes its running decode sequences, then fills the rest of the token budget (decode tokens count
+in it, vLLM's `max_num_batched_tokens`) with prompt chunks, oldest first, and runs them as one forward pass
+(`latency.fused_step_ms`: the weights are read once), as vLLM's V1 scheduler does.
 
 KV cache follows vLLM's paged allocation: every worker of a pipeline gets the KV capacity of the smallest (vLLM
 unifies KV blocks per worker to the minimum over its workers; `_limit_context`); a sequence holds its current
@@ -53,7 +56,7 @@ from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
 from coral_dagster.routing import Admission, Candidate, Router, instance_weight
-from coral_dagster.simulator.latency import LatencyModel
+from coral_dagster.simulator.latency import LatencyModel, fused_step_ms
 from coral_dagster.simulator.workload import Workload
 
 # Completions first (they free KV and nodes), then transfers landing, then new requests, then idle nodes waking.
@@ -308,7 +311,8 @@ class Engine:
                 self._limit_context(inst)
                 self.instances.append(inst)
         self.router = Router()
-        self.admission = Admission(plan.admit_req_s, plan.admit_depth_req, plan.admit_peak) if plan.admit_req_s else None
+        adm = plan.admission
+        self.admission = Admission(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak) if adm.limits else None
         self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
         self.by_key = {i.candidate.key: i for i in self.instances}
         n = len(workload)
@@ -653,10 +657,10 @@ class Engine:
         if not batch and not tokens:
             node.busy = False
             return None
-        lat = node.lat
-        dt_ms = lat.decode_ms(batch, ctx) if batch else 0.0
-        if tokens:  # token-weighted chunk length and past (exact pair counts for full attention)
-            dt_ms += lat.prefill_ms(tokens, square_tokens // tokens, past_tokens / tokens)
+        # One forward pass (vLLM's fused step); token-weighted chunk length and past (exact pair counts for full
+        # attention).
+        dt_ms = fused_step_ms(node.lat, batch, ctx, tokens, square_tokens // tokens if tokens else 1,
+                              past_tokens / tokens if tokens else 0.0)
         node.busy = True
         node.busy_ms += dt_ms
         node.iterations += 1

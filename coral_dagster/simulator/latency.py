@@ -28,6 +28,21 @@ class LatencyModel(Protocol):
     def stage(self, model: str, node: NodeConfig, layers: int) -> StageLatency: ...
 
 
+def fused_step_ms(lat: StageLatency, batch: int, context_tokens: int, tokens: int, seq_tokens: int,
+                  past_tokens: float = 0.0) -> float:
+    """One engine step that holds `batch` decode sequences (contexts summing to `context_tokens`) and `tokens`
+    prompt tokens of chunked prefill, as vLLM runs it: one forward pass, so the weights are read once. It costs the
+    decode iteration plus what the prompt tokens add to a pass over the decode tokens, prefill(batch + tokens) −
+    prefill(batch) at the chunks' length and past (their extra matmul work and their own attention); alone, either
+    part costs what it costs by itself."""
+    if not tokens:
+        return lat.decode_ms(batch, context_tokens) if batch else 0.0
+    if not batch:
+        return lat.prefill_ms(tokens, seq_tokens, past_tokens)
+    extra = lat.prefill_ms(batch + tokens, seq_tokens, past_tokens) - lat.prefill_ms(batch, seq_tokens, past_tokens)
+    return lat.decode_ms(batch, context_tokens) + max(extra, 0.0)
+
+
 @dataclass(frozen=True)
 class ConstantStage:
     """Fixed iteration times whatever the batch: the service time of a textbook queue."""

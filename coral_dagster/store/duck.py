@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import stat
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,6 +35,11 @@ class Store:
         if read_only and not self.path.exists():
             raise CoralError(f"DuckDB file {self.path} does not exist yet.",
                              "run `coral catalog load` (or the main job) first, or set CORAL_DB.")
+        kind = _special_file(self.path)
+        if kind:
+            # Opening a FIFO would block for ever; "move it aside" would be wrong advice for a device.
+            raise StoreFileError(f"{self.path} is {kind}, not a DuckDB database file.",
+                                 "point CORAL_DB (or --db) at a regular file path (a new one is created).")
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -42,7 +48,7 @@ class Store:
         deadline, delay = time.monotonic() + self.lock_timeout_s, 0.05
         while True:
             try:
-                con = duckdb.connect(str(self.path), read_only=read_only)
+                con = duckdb.connect(str(self.path), read_only=read_only, config=NO_EXTENSION_LOADING)
                 break
             except duckdb.Error as exc:
                 if not (isinstance(exc, duckdb.IOException) and "lock" in str(exc).lower()):
@@ -100,6 +106,23 @@ class Store:
                           "ORDER BY ordinal_position", [table])["column_name"].tolist()
 
 
+# A file of another database (SQLite) makes DuckDB reach for the extension that reads it, downloading it from the
+# network if allowed; a store never needs one (duckdb.org/docs/stable/configuration/overview: these two settings).
+NO_EXTENSION_LOADING = {"autoload_known_extensions": False, "autoinstall_known_extensions": False}
+
+def _special_file(path: Path) -> str:
+    """What `path` is when it exists and is neither a regular file nor a folder (a device, a FIFO, a socket)."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return ""
+    for test, kind in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe (FIFO)"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return kind
+    return ""
+
+
 _BROKEN_FIX = ("move it aside (`mv {path} {path}.broken`) and run `coral run` (or the command again) to start a "
                "fresh file, or point CORAL_DB (or --db) at another file; restore it from a backup if its plan "
                "history matters.")
@@ -112,6 +135,10 @@ def explain(exc: duckdb.Error, path: Path) -> CoralError:
     if "not a valid duckdb database file" in low:
         return StoreFileError(f"{path} is not a DuckDB database file (empty, truncated at its header, or another "
                               "kind of file).", _BROKEN_FIX.format(path=path))
+    if "extension" in low and ("sqlite" in low or "postgres" in low or "mysql" in low):
+        kind = next(k for k in ("SQLite", "PostgreSQL", "MySQL") if k[:5].lower() in low)
+        return StoreFileError(f"{path} is a {kind} database (or another program's file), not a DuckDB "
+                              "database file.", _BROKEN_FIX.format(path=path))
     if "could not read enough bytes" in low:
         return StoreFileError(f"DuckDB file {path} is truncated ({text}).", _BROKEN_FIX.format(path=path))
     if "corrupt database file" in low or "checksum" in low:
@@ -181,7 +208,7 @@ def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mo
 def _frame_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
     """(name, SQL type) of `_coral_frame`; a column with no value to type it (an empty frame's text) is VARCHAR,
     so a table first written empty still takes rows later."""
-    return [(name, "VARCHAR" if sql_type == "NULL" else sql_type)
+    return [(name, "VARCHAR" if sql_type.strip('"') == "NULL" else sql_type)
             for name, sql_type, *_ in con.execute("DESCRIBE SELECT * FROM _coral_frame").fetchall()]
 
 

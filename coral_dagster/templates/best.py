@@ -55,7 +55,7 @@ def make_template(tables: ThroughputTables, nodes: NodeMultiset, placement: Plac
         values = [p.tokens_per_s for p in points]
         total = sum(values)
         shares = tuple(v / total for v in values) if total > 0 else tuple(1.0 / len(members) for _ in members)
-        batches = tuple(p.batch for p in points) if tables.workload.phase == "prefill" else ()
+        batches = tuple(p.batch for p in points) if tables.workload.phase != "decode" else ()
         stage = Stage(start, start + layers, members, shares, batches)
         stages.append(stage)
         if total < bottleneck_value:
@@ -139,8 +139,9 @@ def scenario_model_for(model: str, scenario: str | None = None):
 
 def best_for_nodes(model: str, phase: str, nodes: NodeMultiset | str, *, slo_ms: float | None = None,
                    prefill_slo_ms: float | None = None, scenario: str | None = None, method: str = "fast",
-                   time_limit_s: float = 60.0) -> tuple[Template, ThroughputTables, float]:
-    """The best template of one multiset with the SLO, trace and network of a scenario (defaults from it).
+                   time_limit_s: float = 60.0, t_hat_rule: str | None = None
+                   ) -> tuple[Template, ThroughputTables, float]:
+    """The best template of one multiset with the SLO, trace, network and T̂ rule of a scenario (defaults from it).
 
     Returns the template, the T̂ tables it was optimized over (the multiset's configurations, S up to its size)
     and the optimizer's wall time in seconds.
@@ -152,7 +153,7 @@ def best_for_nodes(model: str, phase: str, nodes: NodeMultiset | str, *, slo_ms:
 
     ms = NodeMultiset.parse(nodes) if isinstance(nodes, str) else nodes
     scn, entry = scenario_model_for(model, scenario)
-    workload = workload_for(entry, phase, scn.link_gbps, slo_ms)
+    workload = workload_for(entry, phase, scn.link_gbps, slo_ms, rule=t_hat_rule or scn.t_hat_rule)
     if prefill_slo_ms is not None:
         workload = dataclasses.replace(workload, prefill_slo_ms=float(prefill_slo_ms))
     configs = tuple(n for n, _ in ms.counts)

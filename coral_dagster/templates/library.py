@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
@@ -26,11 +26,13 @@ import pandas as pd
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import CoralError
+from coral_dagster.lifetimes import worker_pool
 from coral_dagster.templates.best import make_template, verify_template
 from coral_dagster.templates.optimize import Placement
 from coral_dagster.templates.sweep import sweep
 from coral_dagster.templates.throughput import ThroughputTables, build_tables, workload_for
-from coral_dagster.templates.types import PHASES, Phase, Template, stages_doc, stages_from_doc
+from coral_dagster.templates.types import Template, stages_doc, stages_from_doc
+from coral_dagster.vocab import PHASES, Phase
 
 DOMINANCE_REL_TOL = 1e-9
 TEMPLATES_TABLE = "templates"
@@ -161,10 +163,10 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
     for m in wanted:
         computed_as[m.model] = next(o.model for o in wanted if o.template_key == m.template_key)
     computed = [m for m in wanted if computed_as[m.model] == m.model]
-    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps) for m in computed for p in phases}
+    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps, rule=scn.t_hat_rule)
+                 for m in computed for p in phases}
     start = time.perf_counter()
-    pool = ProcessPoolExecutor(processes) if processes > 1 else None
-    try:
+    with worker_pool(processes) if processes > 1 else nullcontext() as pool:
         given = dict(tables or {})
         todo = [(w, scn.node_configs, n_max) for k, w in workloads.items() if k not in given]
         built = list(pool.map(_tables_task, todo) if pool else map(_tables_task, todo))
@@ -189,17 +191,13 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
             from tqdm import tqdm
 
             bar = tqdm(total=sum(len(task[2]) for task in tasks), desc=f"templates {scn.name}", unit="multiset")
-        done = (f.result() for f in as_completed([pool.submit(_key_task, t) for t in tasks])) if pool \
-            else map(_key_task, tasks)
+        done = pool.imap_unordered(_key_task, tasks) if pool else map(_key_task, tasks)
         for key, found in done:
             results[key] = found
             if bar is not None:
                 bar.update(len(multisets[key[0]]))
         if bar is not None:
             bar.close()
-    finally:
-        if pool:
-            pool.shutdown()
     optimize_s = time.perf_counter() - start - tables_s
     templates, per_key = [], []
     for m in wanted:

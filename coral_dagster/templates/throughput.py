@@ -1,5 +1,13 @@
 """T̂ tables the placement optimizer works on: per stage count S, node configuration and layer count.
 
+Two rules compute T̂ (`Workload.rule`, a scenario's `templates: {t_hat_rule: ...}`, `--t-hat-rule`):
+`paper`, the paper's plain per-stage rule (coral.md §2), and `slo` (ours, the default), which holds the SLOs under
+load. Under `paper` a node holding j layers of an S-stage pipeline gets T̂ = the most tokens/s any batch reaches
+within ℓ/S (`PerfModel.t_hat`): no `slo_margin`, no queueing factor, no activation charge, KV room for one batch, and
+no check of the trace's longest request; prefill batches are prompts of `prefill_seq_tokens`, decode batches
+sequences at `Workload.decode_context_tokens`. Its aggregated T̂ is the fused step of `_aggregated_paper_point`.
+The rest of this docstring is the `slo` rule.
+
 Latency rule (ours, beyond the paper's even split). An S-stage pipeline gives every stage the budget ℓ/S. When
 S > 1 a stage's time also includes sending its output activations (tokens × `activation_bytes_per_token`) to the
 next stage over min(the node's NIC, the scenario's `link_gbps`); a single stage sends nothing. The rule charges
@@ -47,36 +55,61 @@ fill a cache sized for mean contexts: a KV-bound helix 1xA100:4 goes from 281 to
 
 Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.prefill_seq_tokens`.
 `decode`: output tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
-`aggregated` (one instance serves whole requests): each stage iteration is a slot of ℓ_d/S (ℓ_d = decode
-per-token SLO) split into a prefill chunk within β·ℓ_d/S and a decode step within (1-β)·ℓ_d/S. A slot admits C
-prompt tokens (the prefill batch) and emits B output tokens (the decode batch), under the same queueing rules as
-the pure phases: prompts queue for C·S/ℓ_d tokens/s as in prefill (an M/G/1 queue keeping a share
-`attainment_target` of first tokens within slo_margin · ℓ_p less S slots), and running sequences must fit the S·B
-decode places with that probability (a cycle of S slots: their number is Poisson, λ_B the rate that holds).
-T̂ = min(ρ*·(C·D/P)/(ℓ_d/S), λ_B) output tokens/s for requests of P prompt and D output tokens, the best over β in
-`AGGREGATED_PREFILL_FRACTIONS`. Every decode token waits at most one slot per stage, so the per-token SLO holds
-while the places suffice.
+`aggregated` (one instance serves whole requests), as vLLM runs it: chunked prefill fused into the decode step. A
+step of a node runs its B running sequences (one decode token each) and up to M − B prompt tokens of waiting
+prompts in one forward pass (vLLM's V1 scheduler: running requests first, then waiting ones chunked to what is left
+of the token budget M = `max_num_batched_tokens`, at most `MAX_NUM_SEQS` sequences), so the weights are read once:
+`simulator.latency.fused_step_ms` prices it as the decode iteration plus what the chunk adds to a pass over B tokens
+(`fused_step_table`, per layer, chunks of prompts of `prefill_seq_tokens`). The per-token SLO bounds a request's
+mean TPOT, not every step, so the rule works with the mean step: requests leave as fast as they enter, so a step
+must take B·P/D prompt tokens on average (P, D the mean prompt and output); steps that take a chunk of M − B
+tokens (time t₁) are a share q = B·P/D / (M − B) of all, the others decode alone (t₀), and the mean step
+t̄ = q·t₁ + (1 − q)·t₀ must fit the slot slo_margin · ℓ_d/S (the TPOT is S·t̄). T̂ = B / t̄ output tokens/s, the best
+over B in `AGGREGATED_BATCHES` and M in `AGGREGATED_TOKEN_BUDGETS` (M is stored as the stage's `batches`, vLLM's
+`--max-num-batched-tokens`) such that q ≤ 1; the resident sequences (S micro-batches of B on average, Poisson)
+fit `MAX_NUM_SEQS` per micro-batch at the `attainment_target` normal quantile and the KV cache with that probability
+(`queueing.trace_kv_sequences`); prompts, queueing for a server of (M − B)/t₁ prompt tokens/s, keep a share
+`attainment_target` of first tokens within slo_margin · ℓ_p less S busy steps (the prefill rule's M/G/1 queue); and
+when a busy step overruns the slot, the requests whose own steps average over it (the busy steps they see cluster
+in the prompt queue's busy periods; `_tpot_miss_share`) are at most half the misses (a first version without this
+check planned gpt-oss-20b on azure-code, 28 output tokens a request, at a mean step of 8 ms whose 2048-token steps
+took 72 ms: 76% attainment in the simulator).
+Under `paper`: slot ℓ_d/S, no activation charge, KV for one batch of B (B · context ≤ room), and a lone prompt's
+first token within ℓ_p: (⌈P/(M − B)⌉ + S − 1) busy steps. (A first version gave the chunk and the decode step
+separate shares of every step, each paying the weight read, with every step within the slot: one-node L40S:2
+templates of qwen3-32b and phi-4 on core served nothing, which vLLM's fused step serves.)
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from functools import lru_cache
 from typing import Callable, Protocol
 
 import numpy as np
 import pandas as pd
+from scipy.special import ndtr
 
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.templates.queueing import (decode_rate, handoff_utilisation, prefill_utilisation, trace_kv_sequences,
                                               trace_lengths)
-from coral_dagster.templates.types import PHASES, Phase
+from coral_dagster.vocab import PHASES, T_HAT_RULE_NAMES, Phase, THatRule
 
-#: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
-AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: vLLM's default `max_num_seqs`: running sequences one engine step may hold.
+MAX_NUM_SEQS = 256
+#: Mean decode sequences a fused aggregated step holds, tried for T̂ (below 1: steps priced at one sequence).
+AGGREGATED_BATCHES: tuple[float, ...] = (0.125, 0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160,
+                                         192, 224, 256)
+#: Token budgets per step (vLLM's `max_num_batched_tokens`, decode tokens included) tried for aggregated T̂.
+AGGREGATED_TOKEN_BUDGETS: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192, 16384)
+AGGREGATED_BATCHES_ARRAY = np.asarray(AGGREGATED_BATCHES)
+#: Prompt tokens a fused aggregated step may add, tried for T̂: 0, then 2^(k/16) up to 2^18.
+AGGREGATED_CHUNKS: np.ndarray = np.unique(np.concatenate([[0.0], np.round(2.0 ** (np.arange(18 * 16 + 1) / 16))])
+                                          ).astype(int)
 #: Shares of the prefill budget the S steps of a prompt's pass may take; the rest is the prompts' queueing room.
 PREFILL_STEP_FRACTIONS: tuple[float, ...] = (0.5, 0.25, 0.125, 0.0625)
 #: Shares of a decode stage's budget slo_margin · ℓ/S its step may take, longest first; the rest is hand-off room.
@@ -105,7 +138,8 @@ class Workload:
     `prefill_seq_tokens`: prompt length prefill batches are made of (0: `prompt_tokens`); `slo_margin`: share
     of each stage's budget ℓ/S a step is planned at; `trace`: the bundled trace whose prompt lengths the prefill
     queue serves ("": all of `prefill_seq_tokens`); `attainment_target`: share of prompts that must meet it;
-    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check).
+    `max_context_tokens`: KV tokens every node must hold for the longest request (0: no such check); `rule`: the
+    T̂ rule (module docstring), `paper` ignoring the margin, the trace's queueing and the longest request.
     """
 
     model: str
@@ -120,10 +154,13 @@ class Workload:
     trace: str = ""
     attainment_target: float = 0.95
     max_context_tokens: int = 0
+    rule: THatRule = "slo"
 
     def __post_init__(self) -> None:
         if self.phase not in PHASES:
             raise UnknownNameError("phase", self.phase, PHASES)
+        if self.rule not in T_HAT_RULE_NAMES:
+            raise UnknownNameError("T̂ rule", self.rule, T_HAT_RULE_NAMES)
         if self.slo_ms <= 0 or self.prefill_slo_ms <= 0:
             raise CoralError(f"SLO of {self.slo_ms:g} ms for {self.model} {self.phase}.", "give a positive SLO.")
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -172,9 +209,10 @@ def token_weighted_prompt_tokens(trace: str) -> int:
 
 
 def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
-                 slo_ms: float | None = None) -> Workload:
-    """The workload of one scenario model in one phase; `slo_ms` overrides the scenario's SLO of that phase
-    (for aggregated, the per-token SLO; the prefill SLO still bounds the first token)."""
+                 slo_ms: float | None = None, rule: THatRule = "slo") -> Workload:
+    """The workload of one scenario model in one phase under T̂ rule `rule` (the scenario's `t_hat_rule`);
+    `slo_ms` overrides the scenario's SLO of that phase (for aggregated, the per-token SLO; the prefill SLO still
+    bounds the first token)."""
     prompt, output = trace_mean_tokens(scenario_model.trace)
     default = scenario_model.prefill_slo_ms if phase == "prefill" else scenario_model.decode_slo_ms
     return Workload(scenario_model.model, phase, float(slo_ms if slo_ms is not None else default), prompt, output,
@@ -183,7 +221,7 @@ def workload_for(scenario_model, phase: Phase, link_gbps: float | None = None,
                     slo_margin=float(getattr(scenario_model, "slo_margin", 1.0)),
                     trace=scenario_model.trace,
                     attainment_target=float(getattr(scenario_model, "attainment_target", 0.95)),
-                    max_context_tokens=longest_request_tokens(scenario_model.trace))
+                    max_context_tokens=longest_request_tokens(scenario_model.trace), rule=rule)
 
 
 @lru_cache(maxsize=8)
@@ -223,8 +261,9 @@ class ThroughputTables:
         object.__setattr__(self, "_index", {c: i for i, c in enumerate(self.configs)})
 
     def budget_ms(self, n_stages: int) -> float:
-        """The time one stage step of an `n_stages` pipeline is planned within."""
-        return self.workload.slo_ms * self.workload.slo_margin / n_stages
+        """The time one stage step of an `n_stages` pipeline is planned within (`paper`: ℓ/S, no margin)."""
+        margin = 1.0 if self.workload.rule == "paper" else self.workload.slo_margin
+        return self.workload.slo_ms * margin / n_stages
 
     def index(self, node: NodeConfig) -> int:
         i = self._index.get(node)  # type: ignore[attr-defined]
@@ -261,35 +300,6 @@ def send_gbps(node: NodeConfig, n_stages: int, link_gbps: float | None) -> float
     return nic if link_gbps is None else min(nic, float(link_gbps))
 
 
-def _aggregated_point(perf: PerfLike, model, node: NodeConfig, w: Workload, layers: int, n_stages: int,
-                      send: float | None) -> Point:
-    slot_ms = w.slo_ms * w.slo_margin / n_stages
-    best = ZERO_SLO
-    for beta in AGGREGATED_PREFILL_FRACTIONS:
-        pre = perf.t_hat(model, node, "prefill", layers, beta * slot_ms, w.prompt_tokens, send,
-                         resident_batches=n_stages)
-        dec = perf.t_hat(model, node, "decode", layers, (1 - beta) * slot_ms, w.decode_context_tokens, send,
-                         resident_batches=n_stages)
-        if pre.tokens_per_s <= 0 or dec.tokens_per_s <= 0:
-            continue
-        prompt_tokens_per_s = pre.batch * 1000.0 / slot_ms
-        queue_ms = w.prefill_slo_ms * w.slo_margin - n_stages * slot_ms
-        busy = prefill_utilisation(w.trace, w.prefill_seq_tokens, prompt_tokens_per_s * queue_ms / 1000.0,
-                                   w.attainment_target)
-        via_prefill = busy * prompt_tokens_per_s * w.output_tokens / w.prompt_tokens
-        via_decode = decode_rate(n_stages * slot_ms, 0.0, n_stages * int(dec.batch), w.attainment_target)
-        tokens_per_s = min(via_prefill, via_decode)
-        if tokens_per_s > best.tokens_per_s:
-            bound = pre.bound if via_prefill < via_decode else dec.bound
-            best = Point(tokens_per_s, int(tokens_per_s * slot_ms / 1000.0), pre.stage_ms + dec.stage_ms, bound)
-    if best is ZERO_SLO:
-        # Say why it is zero: memory when the weights cannot sit on the node at all.
-        dec = perf.t_hat(model, node, "decode", layers, slot_ms, w.decode_context_tokens, send,
-                         resident_batches=n_stages)
-        return Point(0.0, 0, 0.0, dec.bound if dec.tokens_per_s <= 0 else "slo")
-    return best
-
-
 def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages: int,
                  perf: PerfLike | None = None, model_spec=None) -> ThroughputTables:
     """T̂ of every configuration at every layer count for S = 1..max_stages under the latency rule above."""
@@ -298,7 +308,10 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
     spec = model_spec or get_model(workload.model)
     perf = perf or perf_for_prompt(workload.prefill_seq_tokens)
     n_layers = spec.n_layers
-    max_layers = {c: _max_layers(perf, spec, c, n_layers, workload.max_context_tokens) for c in configs}
+    paper = workload.rule == "paper"
+    longest = 0 if paper else workload.max_context_tokens
+    max_layers = {c: _max_layers(perf, spec, c, n_layers, longest) for c in configs}
+    fused = {c: fused_step_table(perf, spec, c, workload) for c in configs} if workload.phase == "aggregated" else {}
     tokens, points = {}, {}
     for s in range(1, max_stages + 1):
         rows = []
@@ -309,7 +322,10 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
                 if j > max_layers[c]:
                     row.append(Point(0.0, 0, 0.0, "memory"))
                 elif workload.phase == "aggregated":
-                    row.append(_aggregated_point(perf, spec, c, workload, j, s, send))
+                    act_ms = 0.0 if paper or not send else spec.activation_bytes_per_token * 8 / (send * 1e9) * 1e3
+                    row.append(_aggregated_point(fused[c], _kv_tokens(perf, spec, c, j), workload, j, s, act_ms))
+                elif paper:
+                    row.append(_paper_point(perf, spec, c, workload, j, s))
                 elif workload.phase == "prefill":
                     row.append(_prefill_point(perf, spec, c, workload, j, s, send))
                 else:
@@ -318,6 +334,116 @@ def build_tables(workload: Workload, configs: tuple[NodeConfig, ...], max_stages
         points[s] = tuple(rows)
         tokens[s] = np.array([[p.tokens_per_s for p in r] for r in rows], dtype=np.float64).reshape(len(configs), n_layers)
     return ThroughputTables(workload, tuple(configs), n_layers, tokens, points)
+
+
+def _paper_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int) -> Point:
+    """Prefill or decode T̂ under the paper's rule: the best batch within ℓ/S, KV for one batch, nothing sent."""
+    context = w.prompt_tokens if w.phase == "prefill" else w.decode_context_tokens
+    p = perf.t_hat(spec, node, w.phase, layers, w.slo_ms / n_stages, context, None, resident_batches=1)
+    return Point(float(p.tokens_per_s), int(p.batch), float(p.stage_ms), str(p.bound))
+
+
+def _kv_tokens(perf, spec, node: NodeConfig, layers: int) -> float:
+    """KV-cache tokens a node holding `layers` layers has room for (unbounded for a perf model that does not say)."""
+    kv: Callable | None = getattr(perf, "kv_capacity_tokens", None)
+    return math.inf if kv is None else float(kv(spec, node, layers))
+
+
+def fused_step_table(perf, spec, node: NodeConfig, w: Workload) -> np.ndarray:
+    """Milliseconds per layer of fused aggregated steps on `node` (`simulator.latency.fused_step_ms`, the engine's
+    price): row i holds `AGGREGATED_BATCHES[i]` decode sequences (at least one) at the mean decode context, column k adds
+    `AGGREGATED_CHUNKS[k]` prompt tokens, chunks of prompts of `prefill_seq_tokens` (a chunk c shorter than the
+    prompt has (P − c)/2 of it cached before it on average)."""
+    from coral_dagster.simulator.latency import ProfileStage, fused_step_ms
+
+    lat = ProfileStage(perf, spec, node, 1, math.inf)
+    ctx, prompt = w.decode_context_tokens, w.prefill_seq_tokens
+    out = np.empty((len(AGGREGATED_BATCHES), len(AGGREGATED_CHUNKS)))
+    for i, b in enumerate(max(1, round(b)) for b in AGGREGATED_BATCHES):
+        for k, c in enumerate(AGGREGATED_CHUNKS.tolist()):
+            seq = min(c, prompt) if c else 1
+            out[i, k] = fused_step_ms(lat, b, b * ctx, c, seq, (prompt - c) / 2.0 if c < prompt else 0.0)
+    return out
+
+
+def _aggregated_point(fused: np.ndarray, kv_tokens: float, w: Workload, layers: int, n_stages: int,
+                      act_ms: float) -> Point:
+    """Aggregated T̂ by the fused-step rule of the module docstring (both rules; `paper` without margin, queueing or
+    activation charge, one batch of KV): the best output rate B / t̄ over mean decode batches B and token budgets M."""
+    paper = w.rule == "paper"
+    margin = 1.0 if paper else w.slo_margin
+    slot_ms = w.slo_ms * margin / n_stages
+    batches = AGGREGATED_BATCHES_ARRAY.astype(float)
+    steps = layers * fused + act_ms * (batches[:, None] + AGGREGATED_CHUNKS[None, :])
+    idle = steps[:, 0]
+    if paper:
+        resident = kv_tokens / w.decode_context_tokens
+    elif w.trace:
+        resident = trace_kv_sequences(w.trace, kv_tokens, w.attainment_target)
+    else:
+        resident = kv_tokens / w.decode_context_tokens
+    prompt_per_step = batches * w.prompt_tokens / w.output_tokens  # prompt tokens a step must take on average
+    z = NormalDist().inv_cdf(w.attainment_target)
+    best, bound = ZERO_SLO, "memory" if n_stages * w.decode_context_tokens > kv_tokens else "slo"
+    for budget in AGGREGATED_TOKEN_BUDGETS:
+        k = np.searchsorted(AGGREGATED_CHUNKS, budget - batches, side="right") - 1  # largest chunk ≤ M − B
+        chunk = AGGREGATED_CHUNKS[np.maximum(k, 0)].astype(float)
+        busy_ms = steps[np.arange(len(batches)), np.maximum(k, 0)]
+        share = np.divide(prompt_per_step, chunk, out=np.full_like(chunk, np.inf), where=chunk > 0)
+        within = np.minimum(share, 1.0)
+        mean_ms = np.where(share <= 1.0, within * busy_ms + (1.0 - within) * idle, np.inf)
+        places = n_stages * batches if paper else n_stages * batches + z * np.sqrt(n_stages * batches)
+        ok = (share <= 1.0) & (mean_ms <= slot_ms) & (batches <= budget) & (places <= n_stages * MAX_NUM_SEQS)
+        ok &= (batches if paper else n_stages * batches) <= resident
+        for i in np.flatnonzero(ok):
+            rate = 1000.0 * batches[i] / mean_ms[i]
+            if rate <= best.tokens_per_s:
+                continue
+            prompt_rate = rate * w.prompt_tokens / w.output_tokens
+            served = chunk[i] * 1000.0 / busy_ms[i]  # prompt tokens/s while prompts wait
+            if paper:
+                first_ms = (math.ceil(w.prompt_tokens / chunk[i]) + n_stages - 1) * busy_ms[i]
+                if first_ms > w.prefill_slo_ms:
+                    continue
+            else:
+                queue_ms = w.prefill_slo_ms * margin - n_stages * busy_ms[i]
+                if prompt_rate > served * prefill_utilisation(w.trace, w.prefill_seq_tokens,
+                                                              served * queue_ms / 1000.0, w.attainment_target):
+                    continue
+                busy = prompt_rate / served
+                period = w.prompt_tokens / chunk[i] / max(1.0 - busy, 1e-9)
+                if busy_ms[i] > slot_ms and _tpot_miss_share(w, share[i], period, busy, idle[i], busy_ms[i],
+                                                              slot_ms) > (1.0 - w.attainment_target) / 2:
+                    continue
+            network = act_ms * (batches[i] + chunk[i]) > layers * fused[i, max(int(k[i]), 0)]
+            best = Point(float(rate), int(budget), float(mean_ms[i]), "network" if network else "compute")
+    return best if best.tokens_per_s > 0 else Point(0.0, 0, 0.0, bound)
+
+
+def _tpot_miss_share(w: Workload, busy_steps: float, period_steps: float, busy_time: float, idle_ms: float,
+                     busy_ms: float, slot_ms: float) -> float:
+    """Share of requests (the trace's output lengths) whose own decode steps average over `slot_ms` when a share
+    `busy_steps` of all steps takes a prompt chunk (`busy_ms`, else `idle_ms`): the busy steps a request of D
+    tokens sees over its D − 1 steps are compound Poisson, busy periods of geometric length with mean
+    `period_steps` (M/G/1) arriving at rate `busy_steps` / `period_steps` per step, mean (D − 1)·q and variance
+    (D − 1)·q·(2m − 1), taken normal, plus the rest of the busy period its own prompt ended in (the queue is busy a
+    share `busy_time` of the time: ρ·min(m, D − 1) more); it misses beyond ⌊(D − 1)(slot − t₀)/(t₁ − t₀)⌋ of them."""
+    lengths, counts = _output_lengths(w.trace, w.output_tokens)
+    d1 = np.maximum(lengths - 1.0, 0.0)
+    allowed = np.floor(d1 * (slot_ms - idle_ms) / (busy_ms - idle_ms))
+    mean = d1 * busy_steps + busy_time * np.minimum(period_steps, d1)
+    sd = np.sqrt(np.maximum(mean * (2.0 * period_steps - 1.0), 1e-12))
+    miss = np.where(d1 > 0, 1.0 - ndtr((allowed + 0.5 - mean) / sd), 0.0)
+    return float((miss * counts).sum() / counts.sum())
+
+
+@lru_cache(maxsize=None)
+def _output_lengths(trace: str, output_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct output lengths of a bundled trace and how many requests have each (no trace: `output_tokens`)."""
+    if not trace:
+        return np.array([float(output_tokens)]), np.array([1.0])
+    lengths, counts = np.unique(trace_lengths(trace)[1], return_counts=True)
+    return lengths, counts.astype(np.float64)
 
 
 def _prefill_point(perf: PerfLike, spec, node: NodeConfig, w: Workload, layers: int, n_stages: int,

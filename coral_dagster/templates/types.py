@@ -3,23 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-
-Phase = Literal["prefill", "decode", "aggregated"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode", "aggregated")
-Bound = Literal["compute", "memory", "slo", "network"]
-#: The rules T̂ is computed by (`templates.throughput`, `templates.queueing`); part of every library key, so a
-#: library built under other rules is rebuilt, never reused. Change it with any change of what T̂ answers.
-T_HAT_RULES = "2026-12-01 decode hand-off as NIC load"
+from coral_dagster.vocab import Bound, Phase
 
 
 @dataclass(frozen=True)
 class Stage:
     """A contiguous block of layers `[start, end)` held by every node listed; nodes split its load by `shares`.
-    `batches`: per node, the prefill tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`; empty
-    where no such plan exists, e.g. decode)."""
+    `batches`: per node, the tokens per step its T̂ was planned at (vLLM's `max_num_batched_tokens`: prefill tokens,
+    or an aggregated step's decode sequences plus prompt chunk; empty where no such plan exists, e.g. decode)."""
 
     start: int
     end: int
