@@ -255,7 +255,7 @@ def pd_pair() -> dict:
         tokens, cached = [], None
         while llm.has_unfinished_requests():
             for o in llm.step():
-                tokens += list(o.outputs[0].token_ids)
+                tokens = list(o.outputs[0].token_ids)  # cumulative: every token so far
                 cached = o.num_cached_tokens if o.num_cached_tokens is not None else cached
         del llm
         return tokens, cached
@@ -267,7 +267,8 @@ def pd_pair() -> dict:
         return {"connector": CONNECTOR, "error": repr(exc)}
     want = list(generate("tiny-llama", text, 16, ignore_eos=True).tokens)
     return {"connector": CONNECTOR, "prompt_tokens": len(prompt), "decode_cached_tokens": cached,
-            "kv_loaded": bool(cached), "first_token_identical": first == want[:1], "tokens_identical": tokens == want}
+            "kv_loaded": bool(cached), "first_token_identical": first == want[:1], "tokens_identical": tokens == want,
+            "decode_tokens": tokens, "torch_tokens": want}
 
 
 def main() -> None:

@@ -23,9 +23,9 @@ from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from runtime_fakes import background
 from runtime_procs import gone, kill_all
-from test_openai_api import CFG, KEY, MODEL, PROMPT, TIMING, Served
 
-TorchEngine = pytest.importorskip("coral_dagster.runtime.torch_engine").TorchEngine
+pytest.importorskip("coral_dagster.runtime.torch_engine")
+from openai_stack import CFG, KEY, MODEL, PROMPT, TIMING, CountingEngine, Served  # noqa: E402 - needs torch
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -80,16 +80,17 @@ def test_shutdown_drains_short_requests_and_answers_the_rest_503_with_retry_afte
         assert status == 200 and last["error"]["code"] == 503 and "[DONE]" not in lines[-1]
 
 
-def _instance(stack: ExitStack, keys: CurveKeys, coordinator: str, name: str, phase: str) -> None:
-    """A real scheduler of `phase` with one torch engine node holding every layer, on threads."""
+def _instance(stack: ExitStack, keys: CurveKeys, coordinator: str, name: str, phase: str) -> CountingEngine:
+    """A real scheduler of `phase` with one torch engine node holding every layer, on threads; its engine."""
     sched = Scheduler(SchedulerConfig(name, MODEL, phase, (CFG.n_layers,), CFG.n_layers, coordinator,
                                       listen="tcp://127.0.0.1:*", timing=TIMING,
                                       limits=ModelLimits(CFG.vocab, CFG.max_context)), keys, ctx=zmq.Context())
     background(stack, sched.run)
+    engine = CountingEngine(CFG, 0, CFG.n_layers, device="cpu")
     node = EngineNode(NodeSettings(f"{name}.s0", MODEL, 0, CFG.n_layers, CFG.n_layers, 0, sched.address,
-                                   timing=TIMING), TorchEngine(CFG, 0, CFG.n_layers, device="cpu"), keys,
-                      ctx=zmq.Context())
+                                   timing=TIMING), engine, keys, ctx=zmq.Context())
     background(stack, node.run)
+    return engine
 
 
 def test_a_prefill_instance_without_its_decode_partner_is_not_ready():
@@ -114,7 +115,7 @@ def test_a_prefill_instance_without_its_decode_partner_is_not_ready():
             assert httpx.get(f"{url}/health").status_code == 503
             assert httpx.get(f"{url}/v1/models", headers=AUTH).status_code == 503
             time.sleep(0.05)
-        _instance(stack, keys, coord.address, "decode-0", "decode")
+        decode = _instance(stack, keys, coord.address, "decode-0", "decode")
         while httpx.get(f"{url}/health").status_code != 200:
             assert time.monotonic() < deadline, "never ready with both phases up"
             time.sleep(0.02)
@@ -122,6 +123,20 @@ def test_a_prefill_instance_without_its_decode_partner_is_not_ready():
         codes = [httpx.post(f"{url}/v1/completions", headers=AUTH, timeout=30,
                             json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).status_code for _ in range(5)]
         assert codes == [200] * 5
+        # A client hanging up mid-stream stops the decode instance's generation too.
+        budget = CFG.max_context - 64
+        with httpx.stream("POST", f"{url}/v1/completions", headers=AUTH, timeout=30, json={
+                "model": MODEL, "prompt": PROMPT, "max_tokens": budget, "ignore_eos": True, "stream": True}) as r:
+            lines = 0
+            for line in r.iter_lines():
+                lines += bool(line)
+                if lines == 5:
+                    break
+        deadline = time.monotonic() + 30
+        while coord.status()["in_flight"] or time.monotonic() - decode.last_step < 1.0:
+            assert time.monotonic() < deadline, "the decode instance kept generating after the client left"
+            time.sleep(0.1)
+        assert max(decode.steps.values()) < budget // 4
 
 
 def test_pd_readiness_means_a_request_is_served():
