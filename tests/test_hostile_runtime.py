@@ -16,7 +16,7 @@ import zmq
 from coral_dagster.runtime import wire
 from coral_dagster.runtime.client import FINAL, Client
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
-from coral_dagster.runtime.coordinator import MAX_DEATHS, Coordinator
+from coral_dagster.runtime.coordinator import MAX_DEATHS, MAX_INSTANCES, MAX_NAME_CHARS, MAX_STAGES_BYTES, Coordinator
 from coral_dagster.runtime.security import CurveKeys
 from runtime_fakes import FakeScheduler, background, one_token
 
@@ -306,3 +306,15 @@ def test_a_node_restarted_under_its_name_fails_what_the_old_process_had_in_fligh
             errors = [h for h in inst.to_coordinator(0.05) if h["kind"] == "error"]
         assert [h["rid"] for h in errors] == ["r1"] and "was restarted" in errors[0]["problem"]
         assert [h["kind"] for h in _heard(new, 0.5)][:1] == ["welcome"]
+
+
+def test_an_insider_cannot_make_every_status_reply_too_large_to_read(ready):
+    peer = ready.insider()
+    huge = [{"start": 0, "end": 1, "nodes": [{"node": "n" * 1000, "share": 1.0, "data": "x"}] * 100}]
+    _register(peer, "bloated", stages=huge)
+    _register(peer, "x" * 10_000)
+    replies = _heard(peer, 0.5)
+    assert [h["kind"] for h in replies] == ["refused", "refused"]
+    assert [i["instance"] for i in ready.client.status()["instances"]] == ["i0"]
+    # The bounds together keep the largest status reply inside one control frame.
+    assert MAX_INSTANCES * (MAX_STAGES_BYTES + MAX_NAME_CHARS + 512) < wire.MAX_CONTROL_BYTES
