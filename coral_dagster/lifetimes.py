@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import ctypes
 import multiprocessing
-import multiprocessing.pool
 import os
 import select
 import signal
 import sys
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
 # <linux/prctl.h>
@@ -57,16 +57,22 @@ def stop_on_sigterm() -> None:
 
 
 @contextmanager
-def worker_pool(processes: int) -> Iterator[multiprocessing.pool.Pool]:
+def worker_pool(processes: int) -> Iterator[ProcessPoolExecutor]:
     """A process pool whose workers die with this process; leaving the block by an exception (Ctrl-C included)
-    terminates them at once instead of waiting for their tasks."""
-    pool = multiprocessing.get_context().Pool(processes, initializer=_worker_start, initargs=(os.getpid(),))
+    kills them at once instead of waiting for their tasks.
+
+    The workers are SIGKILLed (the children this process gained since the pool started), not asked to stop:
+    `multiprocessing.Pool.terminate` can block for ever on a queue lock an idle worker holds, and an executor's
+    shutdown waits for running tasks. The executor then finds its workers gone and shuts down without blocking.
+    """
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(processes, initializer=_worker_start, initargs=(os.getpid(),))
     try:
         yield pool
     except BaseException:
-        pool.terminate()
+        for child in set(multiprocessing.active_children()) - before:
+            child.kill()
+        pool.shutdown(wait=False, cancel_futures=True)
         raise
     else:
-        pool.close()
-    finally:
-        pool.join()
+        pool.shutdown()

@@ -179,3 +179,17 @@ def test_a_device_or_fifo_as_the_store_is_named_without_hanging_or_advising_to_m
     res = _cli("templates", "list", "--scenario", "core", "--db", str(path), within_s=10)
     _one_line_error(res, str(path), "device" if special == "device" else "FIFO")
     assert "mv " not in res.output and time.monotonic() - started < 10
+
+
+def test_a_local_deployment_on_ipv6_loopback_serves_over_zeromq_and_http(tmp_path):
+    pytest.importorskip("torch")
+    import json
+    import urllib.request
+
+    with LocalDeployment("tiny-llama", local_instances((12,), 1), host="::1", log_dir=tmp_path) as dep:
+        assert dep.wait_ready(60)["serving"] == ["tiny-llama"]
+        with dep.client() as c:
+            assert c.complete("tiny-llama", ["hi"], max_tokens=2)[0]["kind"] == "done"
+        request = urllib.request.Request(f"{dep.http_url}/v1/models", headers={"Authorization": f"Bearer {dep.api_key}"})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert [m["id"] for m in json.load(response)["data"]] == ["tiny-llama"]

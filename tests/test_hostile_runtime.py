@@ -16,7 +16,7 @@ import zmq
 from coral_dagster.runtime import wire
 from coral_dagster.runtime.client import FINAL, Client
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
-from coral_dagster.runtime.coordinator import MAX_DEATHS, Coordinator
+from coral_dagster.runtime.coordinator import MAX_DEATHS, MAX_INSTANCES, MAX_NAME_CHARS, MAX_STAGES_BYTES, Coordinator
 from coral_dagster.runtime.security import CurveKeys
 from runtime_fakes import FakeScheduler, background, one_token
 
@@ -306,3 +306,72 @@ def test_a_node_restarted_under_its_name_fails_what_the_old_process_had_in_fligh
             errors = [h for h in inst.to_coordinator(0.05) if h["kind"] == "error"]
         assert [h["rid"] for h in errors] == ["r1"] and "was restarted" in errors[0]["problem"]
         assert [h["kind"] for h in _heard(new, 0.5)][:1] == ["welcome"]
+
+
+def test_an_insider_cannot_make_every_status_reply_too_large_to_read(ready):
+    peer = ready.insider()
+    huge = [{"start": 0, "end": 1, "nodes": [{"node": "n" * 1000, "share": 1.0, "data": "x"}] * 100}]
+    _register(peer, "bloated", stages=huge)
+    _register(peer, "x" * 10_000)
+    replies = _heard(peer, 0.5)
+    assert [h["kind"] for h in replies] == ["refused", "refused"]
+    assert [i["instance"] for i in ready.client.status()["instances"]] == ["i0"]
+    # The bounds together keep the largest status reply inside one control frame.
+    assert MAX_INSTANCES * (MAX_STAGES_BYTES + MAX_NAME_CHARS + 512) < wire.MAX_CONTROL_BYTES
+
+
+def test_a_first_instance_is_checked_against_the_catalog_not_trusted(ready):
+    rogue = ready.insider()
+    wire.send(rogue, {"kind": "register", "instance": "rogue", "model": "tiny-llama", "phase": "aggregated",
+                      "tokens_per_s": 1.0, "split": [6, 6], "limits": {"vocab": 2, "max_context": 4096}}, block=True)
+    wire.send(rogue, {"kind": "register", "instance": "short", "model": "tiny-llama", "phase": "aggregated",
+                      "tokens_per_s": 1.0, "split": [6], "limits": {"vocab": 512, "max_context": 4096}}, block=True)
+    replies = _heard(rogue, 0.5)
+    assert [h["kind"] for h in replies] == ["refused", "refused"]
+    assert "vocab 512" in replies[0]["problem"] and "12 layers" in replies[1]["problem"]
+    assert [i["instance"] for i in ready.client.status()["instances"]] == ["i0"]
+
+
+def test_a_freed_request_is_not_computed_when_its_step_arrives_late():
+    """The coordinator moved a request on and its scheduler freed it; a step still on its way is dropped, so an
+    abandoned request does not keep running through the stages."""
+    torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
+    import numpy as np
+
+    from coral_dagster.runtime.config import NodeSettings
+    from coral_dagster.runtime.node import EngineNode
+    from coral_dagster.runtime.tiny import decoder_config
+
+    cfg = decoder_config("tiny-llama")
+    with ExitStack() as stack:
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        sched = ctx.socket(zmq.ROUTER)
+        sched.linger = 0
+        sched.bind("tcp://127.0.0.1:*")
+        stack.callback(sched.close)
+        node = EngineNode(NodeSettings("n", "tiny-llama", 0, 12, 12, 0, sched.getsockopt_string(zmq.LAST_ENDPOINT),
+                                       timing=TIMING), torch_engine.TorchEngine(cfg, 0, 12), insecure=True)
+        background(stack, node.run)
+        push = ctx.socket(zmq.PUSH)
+        push.linger = 0
+        push.connect(node.address)
+        stack.callback(push.close)
+        ctl = None
+        while ctl is None:
+            assert sched.poll(5000)
+            for ident, h, _ in wire.drain(sched, routed=True):
+                if h["kind"] == "hello":
+                    ctl = ident
+        wire.send(sched, {"kind": "welcome"}, to=ctl)
+        wire.send(sched, {"kind": "free", "rid": "gone"}, to=ctl)
+        time.sleep(0.3)
+        for rid in ("gone", "live"):
+            wire.send(push, {"kind": "forward", "rid": rid, "pos": 0, "stage": 0, "route": [node.address]},
+                      [np.asarray([1, 2, 3], dtype=np.int64)], block=True)
+        tokens: list[str] = []
+        deadline = time.monotonic() + 5
+        while "live" not in tokens and time.monotonic() < deadline:
+            if sched.poll(100):
+                tokens += [h["rid"] for _, h, _ in wire.drain(sched, routed=True) if h["kind"] == "token"]
+        assert tokens == ["live"] and node.steps_run == 1

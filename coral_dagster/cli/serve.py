@@ -28,6 +28,8 @@ def _timing_options(f):
         ("--heartbeat-s", Env.HEARTBEAT_S, d.heartbeat_s, "Seconds between heartbeats."),
         ("--dead-after-s", Env.DEAD_AFTER_S, d.dead_after_s, "Silence after which a peer counts as dead."),
         ("--request-timeout-s", Env.REQUEST_TIMEOUT_S, d.request_timeout_s, "Longest a request may make no progress."),
+        ("--request-deadline-s", Env.REQUEST_DEADLINE_S, d.request_deadline_s,
+         "Longest a request may take in all (a client's timeout_s may shorten it)."),
         ("--kv-timeout-s", Env.KV_TIMEOUT_S, d.kv_timeout_s, "Longest a decode node waits for a KV handoff."),
         ("--orphan-after-s", Env.ORPHAN_AFTER_S, d.orphan_after_s, "Exit when the upstream is silent this long."),
     ]):
@@ -38,8 +40,8 @@ def _timing_options(f):
 def _timing(kw: dict[str, Any]):
     from coral_dagster.runtime.config import Timing
 
-    return Timing(**{k: kw.pop(k) for k in ("heartbeat_s", "dead_after_s", "request_timeout_s", "kv_timeout_s",
-                                            "orphan_after_s")})
+    return Timing(**{k: kw.pop(k) for k in ("heartbeat_s", "dead_after_s", "request_timeout_s", "request_deadline_s",
+                                            "kv_timeout_s", "orphan_after_s")})
 
 
 _json = click.option("--json", "as_json", is_flag=True, help="Print machine-readable JSON.")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import math
 import secrets
@@ -76,6 +77,21 @@ class _Request:
 
 # A request in flight on this many instances that died is not tried on another: it may be what kills them.
 MAX_DEATHS = 2
+# What peers may make the coordinator hold and repeat in every status reply, which must fit one control frame
+# (1024 × 6 KiB < wire.MAX_CONTROL_BYTES); an instance's stages take ~150 bytes per node.
+MAX_INSTANCES = 1024
+MAX_NAME_CHARS = 256
+MAX_STAGES_BYTES = 6 << 10
+
+
+def _stages(value: Any) -> list[dict[str, Any]]:
+    """An instance's stage description as announced: a list whose JSON stays within MAX_STAGES_BYTES."""
+    if not isinstance(value, list):
+        raise ValueError(f"stages must be a list, got {type(value).__name__}")
+    size = len(json.dumps(value))
+    if size > MAX_STAGES_BYTES:
+        raise ValueError(f"stages of {size} bytes exceed {MAX_STAGES_BYTES}")
+    return value
 
 
 class Coordinator:
@@ -230,9 +246,10 @@ class Coordinator:
         if old is not None and old.ident != ident and wire.send(self.router, {"kind": "ack"}, to=old.ident):
             self._refuse(ident, name, f"instance {name} is registered and its connection is alive")
             return
-        stages = h.get("stages", [])
-        if not isinstance(stages, list):
-            raise ValueError(f"stages must be a list, got {type(stages).__name__}")
+        if len(name) > MAX_NAME_CHARS or (old is None and len(self.instances) >= MAX_INSTANCES):
+            raise ValueError(f"an instance name of at most {MAX_NAME_CHARS} characters, and at most {MAX_INSTANCES} "
+                             "instances, are taken")
+        stages = _stages(h.get("stages", []))
         tokens_per_s = finite_positive(h["tokens_per_s"], "tokens_per_s")
         weight = finite_positive(h["weight"], "weight") if h.get("weight") is not None else tokens_per_s
         model, limits = str(h["model"]), ModelLimits.from_message(h.get("limits"))
@@ -281,8 +298,7 @@ class Coordinator:
         inst.requests.clear()
 
     def _heartbeat(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
-        stages = h.get("stages", inst.stages)
-        inst.stages = stages if isinstance(stages, list) else inst.stages
+        inst.stages = _stages(h.get("stages", inst.stages))
         if inst.state == "lost":
             inst.state = "ready" if h.get("healthy") else "unhealthy"
         wire.send(self.router, {"kind": "ack"}, to=inst.ident)

@@ -17,6 +17,7 @@ import itertools
 import json
 import os
 import time
+from concurrent.futures import as_completed
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
@@ -191,7 +192,8 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
             from tqdm import tqdm
 
             bar = tqdm(total=sum(len(task[2]) for task in tasks), desc=f"templates {scn.name}", unit="multiset")
-        done = pool.imap_unordered(_key_task, tasks) if pool else map(_key_task, tasks)
+        done = (f.result() for f in as_completed([pool.submit(_key_task, t) for t in tasks])) if pool \
+            else map(_key_task, tasks)
         for key, found in done:
             results[key] = found
             if bar is not None:
