@@ -107,3 +107,84 @@ def test_aggregated_templates_hold_their_slos_at_t_hat_and_not_far_beyond(model,
     over = template_reach(t, scn, load=3.0, seed=1, min_requests=600, latency=latency)
     assert at.attainment >= 0.93, at
     assert over.attainment < 0.9, over
+
+
+VLLM_STEPS = """
+import json, os, sys
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+from vllm import LLM, SamplingParams
+path, budget, early, late = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), json.loads(sys.argv[4])
+llm = LLM(model=path, skip_tokenizer_init=True, max_num_batched_tokens=budget, max_num_seqs=8,
+          enable_chunked_prefill=True, max_model_len=512, dtype="float32", enforce_eager=True,
+          enable_prefix_caching=False)
+engine = llm.llm_engine
+scheduler = engine.engine_core.engine_core.scheduler
+steps, schedule = [], scheduler.schedule
+def recorded(*args, **kwargs):
+    out = schedule(*args, **kwargs)
+    steps.append({rid.split("-")[0]: n for rid, n in out.num_scheduled_tokens.items()})
+    return out
+scheduler.schedule = recorded
+def add(name, prompt, output):
+    engine.add_request(name, {"prompt_token_ids": [5 + i % 50 for i in range(prompt)]},
+                       SamplingParams(max_tokens=output, ignore_eos=True, detokenize=False))
+for name, prompt, output in early:
+    add(name, prompt, output)
+for _ in range(3):
+    engine.step()
+for name, prompt, output in late:
+    add(name, prompt, output)
+while engine.has_unfinished_requests():
+    engine.step()
+print("STEPS " + json.dumps(steps))
+"""
+
+
+@pytest.mark.slow
+def test_simulator_steps_are_vllm_cpu_schedulers(tmp_path):
+    """vLLM 0.32's own scheduler (the CPU build, in tests/test_vllm_cpu.py's node environment) against the
+    simulator: two requests decode while a 150-token prompt arrives at a 64-token budget. vLLM's steps give the
+    running requests one token each and the prompt what is left of the budget; priced as one pass each with the
+    affine latency above, they put the prompt's first token where the simulator puts it, in as many steps."""
+    import json
+    import os
+    import subprocess
+
+    from coral_dagster.runtime.hf_export import export_tiny
+    from tests.test_templates_engines import _node_python
+
+    python = _node_python()
+    if python is None:
+        pytest.skip("no vLLM CPU node environment; tests/test_vllm_cpu.py builds it")
+    budget, early, late = 64, [["a", 20, 12], ["b", 30, 12]], [["long", 150, 2]]
+    done = subprocess.run([str(python), "-c", VLLM_STEPS, str(export_tiny("tiny-llama")), str(budget),
+                           json.dumps(early), json.dumps(late)], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+                                             "VLLM_CPU_OMP_THREADS_BIND": "0"})
+    line = next((x for x in done.stdout.splitlines() if x.startswith("STEPS ")), None)
+    assert line, done.stderr[-3000:]
+    steps = json.loads(line[6:])
+    prompts = {name: prompt for name, prompt, _ in early + late}
+    seen: dict[str, int] = {}
+    ms = []
+    for step in steps:
+        assert sum(step.values()) <= budget
+        decodes = sum(1 for name, n in step.items() if seen.get(name, 0) >= prompts[name])
+        chunk = sum(n for name, n in step.items() if seen.get(name, 0) < prompts[name])
+        if decodes and chunk:  # running requests first, the prompt takes what is left of the budget
+            assert chunk == min(budget - decodes, prompts["long"] - seen.get("long", 0))
+        ms.append(WEIGHTS_MS + PER_SEQ_MS * decodes + PER_PROMPT_MS * chunk)
+        for name, n in step.items():
+            seen[name] = seen.get(name, 0) + n
+    ends = np.cumsum(ms)
+    arrival_ms = ends[2] - 0.1  # during vLLM's third step, before its fourth is scheduled
+    first_token_step = next(i for i in range(len(steps))
+                            if sum(s.get("long", 0) for s in steps[:i + 1]) >= prompts["long"])
+    wl = Workload(("phi-4",), np.array([0.0, 0.0, arrival_ms / 1000]), np.array([0, 0, 0]),
+                  np.array([20, 30, 150]), np.array([12, 12, 2]), 1.0)
+    plan = Plan("t", "reach", "optimal", 0.0, 0.0, 0.0, 0.0, (PlannedInstance(_aggregated(budget), "r", 1, 0.0),),
+                {}, {})
+    out = Engine(plan, wl, AffineLatency()).run()
+    assert (out.ttft_s[2] * 1000 - arrival_ms) == pytest.approx(ends[first_token_step] - arrival_ms)
+    assert out.nodes[0]["iterations"] == len(steps)
+    assert out.nodes[0]["prefill_tokens"] == sum(prompts.values())

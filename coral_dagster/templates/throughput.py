@@ -5,8 +5,8 @@ Two rules compute T̂ (`Workload.rule`, a scenario's `templates: {t_hat_rule: ..
 load. Under `paper` a node holding j layers of an S-stage pipeline gets T̂ = the most tokens/s any batch reaches
 within ℓ/S (`PerfModel.t_hat`): no `slo_margin`, no queueing factor, no activation charge, KV room for one batch, and
 no check of the trace's longest request; prefill batches are prompts of `prefill_seq_tokens`, decode batches
-sequences at `Workload.decode_context_tokens`. Its aggregated T̂ is the fused step of `_aggregated_paper_point`.
-The rest of this docstring is the `slo` rule.
+sequences at `Workload.decode_context_tokens`; its aggregated T̂ is at the end of this docstring, whose rest is the
+`slo` rule.
 
 Latency rule (ours, beyond the paper's even split). An S-stage pipeline gives every stage the budget ℓ/S. When
 S > 1 a stage's time also includes sending its output activations (tokens × `activation_bytes_per_token`) to the
@@ -57,8 +57,10 @@ Phases. `prefill`: prompt tokens/s within the prefill SLO, prompts of `Workload.
 `decode`: output tokens/s with each iteration within the per-token SLO, at a context of mean prompt + half the mean output.
 `aggregated` (one instance serves whole requests), as vLLM runs it: chunked prefill fused into the decode step. A
 step of a node runs its B running sequences (one decode token each) and up to M − B prompt tokens of waiting
-prompts in one forward pass (vLLM's V1 scheduler: running requests first, then waiting ones chunked to what is left
-of the token budget M = `max_num_batched_tokens`, at most `MAX_NUM_SEQS` sequences), so the weights are read once:
+prompts in one forward pass (vLLM 0.32's `vllm/v1/core/sched/scheduler.py`: `max_num_scheduled_tokens` is
+`max_num_batched_tokens`; "First, schedule the RUNNING requests", then "the WAITING requests" with
+`num_new_tokens = min(num_new_tokens, request_token_budget)` while fewer than `max_num_seqs` run; the CPU build's own
+scheduler is checked against the simulator in tests/test_simulator_aggregated.py), so the weights are read once:
 `profiles.stage_times.fused_step_ms` prices it as the decode iteration plus what the chunk adds to a pass over B tokens
 (`fused_step_table`, per layer, chunks of prompts of `prefill_seq_tokens`). The per-token SLO bounds a request's
 mean TPOT, not every step, so the rule works with the mean step: requests leave as fast as they enter, so a step
@@ -99,7 +101,8 @@ from coral_dagster.templates.queueing import (decode_rate, handoff_utilisation, 
                                               trace_lengths)
 from coral_dagster.vocab import PHASES, T_HAT_RULE_NAMES, Phase, THatRule
 
-#: vLLM's default `max_num_seqs`: running sequences one engine step may hold.
+#: Running sequences one engine step may hold: `vllm serve`'s default `max_num_seqs` on GPUs under 70 GB (vLLM 0.32
+#: `engine/arg_utils.py`; 1024 on H100/H200, so this is conservative there); deployments pass it explicitly.
 MAX_NUM_SEQS = 256
 #: Mean decode sequences a fused aggregated step holds, tried for T̂ (below 1: steps priced at one sequence).
 AGGREGATED_BATCHES: tuple[float, ...] = (0.125, 0.25, 0.5, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160,
@@ -351,8 +354,8 @@ def _kv_tokens(perf, spec, node: NodeConfig, layers: int) -> float:
 
 def fused_step_table(perf, spec, node: NodeConfig, w: Workload) -> np.ndarray:
     """Milliseconds per layer of fused aggregated steps on `node` (`profiles.stage_times.fused_step_ms`, the engine's
-    price): row i holds `AGGREGATED_BATCHES[i]` decode sequences (at least one) at the mean decode context, column k adds
-    `AGGREGATED_CHUNKS[k]` prompt tokens, chunks of prompts of `prefill_seq_tokens` (a chunk c shorter than the
+    price): row i holds `AGGREGATED_BATCHES[i]` decode sequences (at least one) at the mean decode context, column k
+    adds `AGGREGATED_CHUNKS[k]` prompt tokens, chunks of prompts of `prefill_seq_tokens` (a chunk c shorter than the
     prompt has (P − c)/2 of it cached before it on average)."""
     from coral_dagster.profiles.stage_times import ProfileStage, fused_step_ms
 
