@@ -167,11 +167,17 @@ def heat_map(rows: list[dict], out: Path) -> None:
         grid = np.full((len(sps), len(gps)), np.nan)
         for r in cells:
             i, j = sps.index(r["size_power"]), gps.index(r["gpu_power"])
-            ratio = r.get("homo-ilp_x_coral")
-            grid[i, j] = ratio if ratio is not None else (2.0 if r.get("homo-ilp_served_share") is not None else np.nan)
-            text = (f"{ratio:.2f}×" if ratio is not None else
-                    f"H-ILP\n{r['homo-ilp_served_share']:.0%}" if r.get("homo-ilp_served_share") is not None else "–")
-            light = np.isnan(grid[i, j]) or grid[i, j] < 1.6  # viridis is dark below 1.6 on this scale
+            ratio, served = r.get("homo-ilp_x_coral"), r.get("homo-ilp_served_share")
+            if ratio is not None:
+                grid[i, j], text = ratio, f"{ratio:.2f}×"
+            elif served is not None and r.get("coral_usd_per_hour"):
+                grid[i, j], text = 2.0, f"H-ILP {served:.0%}"
+            elif r.get("coral_over_homo-ilp_served") is not None:
+                grid[i, j] = r["coral_over_homo-ilp_served"]
+                text = f"serves\n{r['coral_served_share']:.0%} / {served:.0%}"
+            else:
+                text = "no Coral plan\nin time" if "error" in r["methods"]["coral"] else "–"
+            light = not np.isnan(grid[i, j]) and grid[i, j] < 1.6  # viridis is dark below 1.6 on this scale
             ax.text(j, i, f"{text}\nmix {r.get('mixed_share') or 0:.0%}", ha="center", va="center", fontsize=8,
                     color="white" if light else "black")
         ax.imshow(grid, cmap="viridis", vmin=1.0, vmax=2.0, origin="lower")
@@ -180,7 +186,8 @@ def heat_map(rows: list[dict], out: Path) -> None:
         ax.set_xlabel("GPU-tier scarcity power")
         ax.set_ylabel("node-size scarcity power")
         ax.set_title(f"{scn} · {rule} rule · {prices} prices · ×{level:g}", fontsize=9)
-    fig.suptitle("Homo-ILP cost ÷ Coral cost (colour, 1–2; 2 = Homo-ILP cannot meet demand)", fontsize=10)
+    fig.suptitle("Homo-ILP cost ÷ Coral cost; where neither meets demand, Coral's served share ÷ Homo-ILP's "
+                 "(Coral / Homo-ILP shown); 2 = only Coral meets it. Colour 1–2.", fontsize=10)
     fig.tight_layout(rect=(0, 0.02, 1, 0.94))
     fig.savefig(out, dpi=110)
     plt.close(fig)
