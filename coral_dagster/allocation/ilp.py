@@ -48,7 +48,15 @@ from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
 from coral_dagster.highs import pulp_solver, quiet_stdout, silence_banner, solve_status
 
-RawStatus = Literal["optimal", "feasible-time-limit", "infeasible", "no-solution"]
+RawStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "infeasible", "no-solution"]
+# A plan, proven optimal or stopped by the work limit (reproducible) or by the wall-clock safety net (not).
+FEASIBLE = ("optimal", "feasible-work-limit", "feasible-time-limit")
+
+
+def unproven(*statuses: str) -> str:
+    """The status of a plan not proven optimal: `feasible-time-limit` when the wall clock stopped any solve that
+    made it (not reproducible), else `feasible-work-limit`."""
+    return "feasible-time-limit" if "feasible-time-limit" in statuses else "feasible-work-limit"
 
 
 @dataclass(frozen=True)
@@ -76,7 +84,8 @@ def _pulp():
     return pulp
 
 
-def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False):
+def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False,
+           max_nodes: int | None = None):
     """HiGHS through its Python API; CBC when highspy is missing.
 
     HiGHS's feasibility-jump heuristic is off by default: on the allocation ILP's small knapsack-like models it
@@ -84,7 +93,7 @@ def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_ju
     too: on core's coupled ILPs (~300 columns, solved at the root) it took a third to a half of the solve (0.10 vs
     0.16 s, 0.12 vs 0.25 s, 0.14 vs 0.25 s). Both are heuristics: optima unchanged.
     """
-    return pulp_solver(time_limit_s, gap_rel, mip, mip_heuristic_run_feasibility_jump=feasibility_jump,
+    return pulp_solver(time_limit_s, gap_rel, mip, max_nodes, mip_heuristic_run_feasibility_jump=feasibility_jump,
                        mip_heuristic_run_root_reduced_cost=False)
 
 
@@ -94,7 +103,8 @@ def churn_factor(problem: AllocationProblem) -> float:
     return problem.churn_k if any(n > 0 for n in problem.running.values()) else 0.0
 
 
-def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bool = False):
+def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bool = False,
+                max_nodes: int | None = None):
     """HiGHS handed a starting solution (`start`: variable -> value; others start at 0, or with `partial` are
     left for HiGHS to complete); plain HiGHS without highspy's API.
 
@@ -102,11 +112,11 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bo
     without searching (seen on a 36-column allocation ILP; presolve off finds the true optimum).
     """
     pulp = _pulp()
-    base = solver(time_limit_s, gap_rel, feasibility_jump=True)
+    base = solver(time_limit_s, gap_rel, feasibility_jump=True, max_nodes=max_nodes)
     if not isinstance(base, pulp.HiGHS):
         return base
 
-    class WarmHighs(pulp.HiGHS):
+    class WarmHighs(type(base)):
         def callSolver(self, lp):
             import numpy as np
 
@@ -117,7 +127,7 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bo
             lp.solverModel.setSolution(len(index), index, value)
             lp.solverModel.run()
 
-    return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel)
+    return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel, **base.optionsDict)
 
 
 def _supply_terms(problem: AllocationProblem, columns: Sequence[Column],
@@ -177,15 +187,17 @@ def _row(prob, rows: dict, key: tuple, constraint) -> None:
 
 
 def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
-         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None) -> SolveResult:
+         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None,
+         max_nodes: int | None = None) -> SolveResult:
     """Solve and read status, values, objective and bound the same way for every variant; `start_values` (one per
-    column) is handed to HiGHS as a first incumbent."""
+    column) is handed to HiGHS as a first incumbent; `max_nodes` is the MIP's work limit."""
     pulp = _pulp()
     start = time.perf_counter()
     if start_values is not None and mip:
-        slv = warm_solver(dict(zip(columns_vars, start_values)), time_limit_s, gap_rel, partial=True)
+        slv = warm_solver(dict(zip(columns_vars, start_values)), time_limit_s, gap_rel, partial=True,
+                          max_nodes=max_nodes)
     else:
-        slv = solver(time_limit_s, gap_rel, mip)
+        slv = solver(time_limit_s, gap_rel, mip, max_nodes=max_nodes)
     prob.solve(slv)
     solve_s = time.perf_counter() - start
     status, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
@@ -205,8 +217,10 @@ def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
 def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Mapping[DemandKey, float] | None = None,
              *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
              overflow_weight: float | None = None, slack_usd: float | None = None,
-             split: Sequence[int] | None = None, start: Sequence[float] | None = None) -> SolveResult:
-    """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m.
+             split: Sequence[int] | None = None, start: Sequence[float] | None = None,
+             max_nodes: int | None = None) -> SolveResult:
+    """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m, the MIP
+    exploring at most `max_nodes` nodes (the work limit; `time_limit_s` is a wall-clock safety net).
 
     `start` (counts per column meeting the targets, e.g. the level solve's plan under scarcity) is the solver's
     first incumbent: it never returns a plan dearer than that, and prunes by its cost from the start.
@@ -263,7 +277,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
         _row(prob, rows, ("churn", i), pulp.LpConstraint(
             pulp.LpAffineExpression([(var, 1.0), (nu[i], -c.usd_per_hour * k)]), pulp.LpConstraintGE, None,
             -c.running * c.usd_per_hour * k))
-    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, start)
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, start, max_nodes)
     extra = {**over, **short}
     if extra and result.status not in ("infeasible", "no-solution"):
         result = replace(result, overflow={key: float(v.varValue or 0.0) for key, v in extra.items()})
@@ -272,8 +286,9 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
 
 def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Mapping[str, Sequence[DemandKey]],
               fixed: Mapping[str, float] | None = None, *, integer: bool = True, cap: float = 1.0,
-              time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> SolveResult:
-    """Maximise the served fraction t shared by the free groups, the fixed ones keeping their levels.
+              time_limit_s: float = 30.0, gap_rel: float = 1e-4, max_nodes: int | None = None) -> SolveResult:
+    """Maximise the served fraction t shared by the free groups, the fixed ones keeping their levels (at most
+    `max_nodes` MIP nodes).
 
     Returns the counts reaching the optimum; `level` is the exact t those counts reach (recomputed from them).
     """
@@ -303,7 +318,7 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
     for j, g in enumerate(sorted(free)):
         _row(prob, rows, ("level", g), pulp.LpConstraint(pulp.LpAffineExpression([(frac[g], 1.0), (t, -1.0)]),
                                                          pulp.LpConstraintGE, None, 0.0))
-    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, max_nodes=max_nodes)
     if result.status in ("infeasible", "no-solution"):
         return result
     routed = routed_fractions(problem, columns, result.values, cap)

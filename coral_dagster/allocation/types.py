@@ -8,8 +8,10 @@ from typing import Literal, Mapping
 
 from coral_dagster.templates.types import Template, stages_doc
 
-# "heuristic": a greedy baseline's plan (no optimality claim).
-SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic"]
+# "heuristic": a greedy baseline's plan (no optimality claim); "feasible-work-limit": stopped by the solver's work
+# limit (reproducible), "feasible-time-limit": by its wall-clock safety net (not reproducible).
+SolveStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "infeasible", "scaled", "fair-share",
+                      "heuristic"]
 Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
 METHODS: tuple[str, ...] = ("coral", "homo", "homo-ilp", "cauchy", "helix")
 Scarcity = Literal["scale", "fair"]
@@ -66,9 +68,11 @@ class Plan:
 
     `cost_usd_per_hour` is what the instances cost; `churn_usd_per_hour` the penalty K·p of instances launched
     against the running plan (0 for a fresh plan); the LP bound and `gap` refer to their sum, the objective.
-    `lp_bound_usd_per_hour` is the LP relaxation solved on its own; `mip_bound_usd_per_hour` the dual bound the
-    MIP solver proved (NaN for plans not made by the ILP). `gap` is measured to the LP bound, `mip_gap` to the
-    MIP bound: a plan proven optimal has `mip_gap` 0 and still a `gap` where the LP relaxation is weak.
+    `lp_bound_usd_per_hour` is the LP relaxation solved on its own; `mip_bound_usd_per_hour` the best bound the
+    solve proved (the MIP solver's dual bound or the LP's, whichever is higher; NaN for plans not made by the ILP).
+    `mip_gap`, to the proven bound, is the gap users read; `gap` is measured to the LP bound: a plan proven optimal
+    has `mip_gap` 0 and still a `gap` where the LP relaxation is weak. `work_nodes` is the work the solve took
+    (branch-and-bound nodes over all its MIPs), the same on any machine, beside its wall time `solve_s`.
     """
 
     scenario: str
@@ -100,6 +104,7 @@ class Plan:
     expected_from: str = ""
     # The scenario contents it was planned for (`Scenario.scenario_key`): what "latest" is looked up by.
     scenario_key: str = ""
+    work_nodes: int = 0
 
     @property
     def routing_shares(self) -> dict[str, dict[str, float]]:
@@ -152,6 +157,7 @@ class Plan:
             "lp_bound_usd_per_hour": _finite(self.lp_bound_usd_per_hour),
             "mip_bound_usd_per_hour": _finite(self.mip_bound_usd_per_hour),
             "gap": _finite(self.gap), "mip_gap": _finite(self.mip_gap), "solve_s": self.solve_s,
+            "work_nodes": self.work_nodes,
             "demand_scale": self.demand_scale,
             "snapshot_id": self.snapshot_id,
             "instances": [
