@@ -47,6 +47,9 @@ def silence_banner() -> None:
 RANDOM_SEED = 0
 # Branch-and-bound nodes one allocation MIP may explore (the work limit; see `bench/solve_times.py` for what it buys).
 DEFAULT_MAX_NODES = 4000
+# The wall-clock safety net of a plan's solves, seconds: the work limit ends a solve long before it on a 2-core
+# machine; reaching it is reported as not reproducible.
+SAFETY_NET_S = 600.0
 
 
 def pulp_solver(time_limit_s: float, gap_rel: float, mip: bool = True, max_nodes: int | None = None,

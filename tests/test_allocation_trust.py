@@ -95,20 +95,19 @@ def _signature(plan):
             round(plan.mip_bound_usd_per_hour, 9), round(plan.lp_bound_usd_per_hour, 9), plan.work_nodes)
 
 
-@pytest.mark.slow
 def test_a_work_limited_solve_is_the_same_on_an_idle_and_a_loaded_machine():
     """The same work-limited solve twice, the second while two busy loops burn both cores: identical plans,
     bounds, statuses and work. The instance is large enough that the work limit, not optimality, ends it."""
-    problem = random_problem(11, n_models=5, gpus=("L4", "A10G", "L40S", "H100"), counts=(1, 2, 4), n_max=2,
-                             regions=("r1", "r2"), avail_range=(2, 12), demand_range=(4000.0, 30000.0))
-    idle = make_plan(problem, "coral", max_nodes=300)
-    assert idle.status in ("optimal", "feasible-work-limit")
+    problem = random_problem(11, n_models=4, gpus=("L4", "L40S", "H100"), counts=(1, 2), n_max=2,
+                             regions=("r1", "r2"), avail_range=(2, 10), demand_range=(4000.0, 30000.0))
+    idle = make_plan(problem, "coral", max_nodes=100)
+    assert idle.status == "feasible-work-limit"  # the work limit, not optimality, ended it
     ctx = multiprocessing.get_context("spawn")
     burners = [ctx.Process(target=_burn, args=(time.time() + 120,)) for _ in range(2)]
     for b in burners:
         b.start()
     try:
-        loaded = make_plan(problem, "coral", max_nodes=300)
+        loaded = make_plan(problem, "coral", max_nodes=100)
     finally:
         for b in burners:
             b.terminate()

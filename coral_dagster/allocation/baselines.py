@@ -33,13 +33,13 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from coral_dagster.allocation import scarcity
-from coral_dagster.allocation.planner import SAFETY_NET_S, SCARCITY_FIX, build_plan, solve_plan
+from coral_dagster.allocation.planner import SCARCITY_FIX, build_plan, solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.recent import Recent
 from coral_dagster.allocation.types import Plan, PlannedInstance, Scarcity
 from coral_dagster.errors import CoralError, InfeasibleError
-from coral_dagster.highs import DEFAULT_MAX_NODES, quiet_stdout
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, quiet_stdout
 from coral_dagster.templates.types import Template
 
 MAX_RATIO = 8

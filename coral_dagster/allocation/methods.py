@@ -5,11 +5,11 @@ from __future__ import annotations
 from typing import Callable
 
 from coral_dagster.allocation.baselines import plan_cauchy, plan_homo, plan_homo_ilp
-from coral_dagster.allocation.planner import SAFETY_NET_S, solve_plan
+from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.errors import CoralError, UnknownNameError
-from coral_dagster.highs import DEFAULT_MAX_NODES
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 
 
 def plan_coral(problem: AllocationProblem, scarcity_mode: Scarcity | None, time_limit_s: float, gap_rel: float,

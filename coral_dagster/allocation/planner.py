@@ -13,14 +13,11 @@ from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import Bottleneck, Method, PlannedInstance, Plan, Scarcity, SolveStatus
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
-from coral_dagster.highs import DEFAULT_MAX_NODES, nodes_explored
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, nodes_explored
 
 # An incumbent plan counts as meeting demand when every model's routed share is within this of 1 (HiGHS's
 # feasibility tolerance is 1e-6) or its objective within this of the solver's.
 INCUMBENT_TOL = 1e-6
-# The wall-clock safety net of a solve, seconds: the work limit (`DEFAULT_MAX_NODES`) ends a solve long before it
-# on a 2-core machine; reaching it is reported as not reproducible.
-SAFETY_NET_S = 600.0
 
 SCARCITY_FIX = ("raise availability (`--availability-scale`), lower demand, or plan under scarcity with "
                 "`--scarcity scale` (every model scaled down alike) or `--scarcity fair` (max-min fair share).")
