@@ -55,7 +55,7 @@ def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckd
     store = duckdb.store()
     rnd = plan_round(store, load_scenario(config.scenario), "coral", scarcity=config.scarcity or None,
                      time_limit_s=solver.time_limit_s, run_id=context.run_id, closed_loop=config.closed_loop,
-                     loop_rounds=config.loop_rounds, loop_window_s=config.loop_window_s)
+                     loop_rounds=config.loop_rounds, loop_window_s=config.loop_window_s, max_nodes=solver.max_nodes)
     plan = rnd.plan
     table = plan_by_model_region(plan).round(2)
     history = store.query("SELECT * FROM plan_history WHERE scenario_key = ?", [plan.scenario_key])
@@ -108,7 +108,8 @@ def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb
     for method in BASELINES:
         try:
             plans[method] = plan_round(store, scenario, method, scarcity=config.scarcity or None,
-                                       time_limit_s=solver.time_limit_s, run_id=context.run_id).plan
+                                       time_limit_s=solver.time_limit_s, run_id=context.run_id,
+                                       max_nodes=solver.max_nodes).plan
         except InfeasibleError as exc:  # a baseline that cannot serve the demand is a result, not a failure
             context.log.warning("%s: %s", method, exc)
             failed[method] = str(exc)

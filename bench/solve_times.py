@@ -1,15 +1,16 @@
-"""Solve times of Coral's planner: core and extended, default and scarcity (×0.5, ×0.25; scale and fair).
+"""Solve times of Coral's planner against issue 30's targets: per instance and method, cost, proven bound, gap, work
+(branch-and-bound nodes, the same on any machine) and wall and CPU time, in one process, side by side.
 
-A setting `A@S` (e.g. `0.25@0.2`) is the cost solve alone at availability ×A with every key's target S (no level
-solves, whose time limits make the levels, and so the costs, differ run to run): the comparable figure for the
-solver. S must be reachable: at most the level `A:scale` serves (core: ≈0.546 at ×0.5, ≈0.226 at ×0.25), else the
-row ends with no plan. Per row: status, cost, gap to the MIP bound, `solve_s` (the solve alone), `prepare_s` (pruning and
-preparation of the library, once per library), `load_s` (reading the library from DuckDB), each the median of
-`--repeats` runs; per scenario the wall time of a re-plan in a fresh process (the sensor -> `replan` path:
-`app.rounds.plan_round` in a new Python process, imports included). Prints a table and writes
-bench/results/solve_times.json.
+Instances: `default` (full demand) and `A:mode` (availability ×A, scarcity mode scale or fair) per scenario.
+Methods on each: `coral` (the planner as `coral plan` runs it: Homo-ILP incumbent, column generation, reduced-cost
+fixing, the routing shares eliminated), and on `default` also `highs` (HiGHS alone on the whole ILP over every
+pruned column, the routing shares eliminated) and `highs-shares` (the same with the shares as variables, the
+original formulation): the same work limit per MIP, so their bounds and gaps compare whatever the machine's load.
+Per scenario, optionally, the wall time of a re-plan in a fresh process (`app.rounds.plan_round`, imports included).
+Targets (issue 30, on 2 cores): core default within 2% of its bound in 30 s, extended 3% in 120 s; under scarcity
+core 1% in 60 s, extended 2% in 180 s; mega 5% in 5 min. Prints a table; writes bench/results/solve_times.json.
 
-    python bench/solve_times.py [--scenarios core,extended] [--settings default,0.5:scale,0.5@0.5] [--repeats 3]
+    python -m bench.solve_times [--scenarios core,extended] [--settings default,0.5:scale] [--max-nodes 4000]
 """
 
 from __future__ import annotations
@@ -17,15 +18,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "results" / "solve_times.json"
 SETTINGS = ("default", "0.5:scale", "0.5:fair", "0.25:scale", "0.25:fair")
-TIME_LIMIT_S = {"core": 10.0, "extended": 60.0}
+# (gap, seconds) each scenario's plans must reach: full demand, scarcity (issue 30, "Must show" 4).
+TARGETS = {"core": ((0.02, 30.0), (0.01, 60.0)), "extended": ((0.03, 120.0), (0.02, 180.0)),
+           "mega": ((0.05, 300.0), (0.05, 300.0))}
 
 
 def _load(scn, db_path):
@@ -38,59 +38,46 @@ def _load(scn, db_path):
     return templates, time.perf_counter() - start
 
 
-def _prepare_s(problem) -> float:
-    """Seconds preparing the scenario's templates from scratch (the in-process memo bypassed)."""
-    from coral_dagster.allocation.prune import prepare_uncached
+def _measure(run) -> tuple[object, dict]:
+    """Run `run()`; its answer and the work (nodes), wall and CPU seconds it took."""
+    from coral_dagster.highs import nodes_explored
 
-    start = time.perf_counter()
-    prepare_uncached(problem.templates)
-    return time.perf_counter() - start
+    nodes, wall, cpu = nodes_explored(), time.perf_counter(), time.process_time()
+    out = run()
+    return out, {"work_nodes": nodes_explored() - nodes, "wall_s": time.perf_counter() - wall,
+                 "cpu_s": time.process_time() - cpu}
 
 
-def _row(scn, templates, setting: str, repeats: int, time_limit_s: float) -> dict:
+def _rows(scn, templates, setting: str, max_nodes: int, alone: bool) -> list[dict]:
+    from coral_dagster.allocation import ilp
     from coral_dagster.allocation.inputs import scenario_problem
     from coral_dagster.allocation.methods import make_plan
+    from coral_dagster.allocation.prune import prune_columns
 
     scale, mode = (1.0, None) if setting == "default" else (float(setting.split(":")[0]), setting.split(":")[1])
     problem = scenario_problem(scn, templates, scn.market(availability_scale=scale))
-    prepare_s = statistics.median(_prepare_s(problem) for _ in range(repeats))
-    runs = []
-    for _ in range(repeats):
-        plan = make_plan(problem, "coral", scarcity_mode=mode, time_limit_s=time_limit_s)
-        runs.append(plan)
-    plan = runs[-1]
-    served = plan.served_fraction()
-    return {"scenario": scn.name, "setting": setting, "status": plan.status, "usd_per_hour": plan.cost_usd_per_hour,
-            "mip_gap": plan.mip_gap, "gap_to_lp": plan.gap,
-            "solve_s": statistics.median(p.solve_s for p in runs), "solve_s_runs": [p.solve_s for p in runs],
-            "prepare_s": prepare_s, "min_served": min(served.values(), default=1.0),
-            "costs": [p.cost_usd_per_hour for p in runs], "timings_s": dict(plan.timings_s)}
+    base = {"scenario": scn.name, "setting": setting, "max_nodes": max_nodes}
+    plan, cost = _measure(lambda: make_plan(problem, "coral", scarcity_mode=mode, max_nodes=max_nodes))
+    rows = [{**base, "method": "coral", "status": plan.status, "usd_per_hour": plan.objective_usd_per_hour,
+             "bound_usd_per_hour": plan.mip_bound_usd_per_hour, "gap": plan.mip_gap,
+             "lp_usd_per_hour": plan.lp_bound_usd_per_hour, "min_served": min(plan.served_fraction().values()),
+             "timings_s": dict(plan.timings_s), **cost}]
+    if alone and mode is None:
+        columns, _ = prune_columns(problem)
+        for method, project in (("highs", True), ("highs-shares", False)):
+            r, cost = _measure(lambda: ilp.min_cost(problem, columns, max_nodes=max_nodes, project=project,
+                                                    time_limit_s=3600.0))
+            gap = (r.objective - r.bound) / r.objective if r.status in ilp.FEASIBLE else float("nan")
+            rows.append({**base, "method": method, "status": r.status, "usd_per_hour": r.objective,
+                         "bound_usd_per_hour": r.bound, "gap": gap, "lp_usd_per_hour": rows[0]["lp_usd_per_hour"],
+                         "columns": len(columns), **cost})
+    return rows
 
 
-def _cost_row(scn, templates, setting: str, time_limit_s: float) -> dict:
-    """The cost solve at fixed targets (`A@S`): status, cost, proven bound and MIP gap, LP bound, columns."""
-    from coral_dagster.allocation import colgen
-    from coral_dagster.allocation.inputs import scenario_problem
-    from coral_dagster.allocation.prune import prune_columns
-
-    scale, target = map(float, setting.split("@"))
-    problem = scenario_problem(scn, templates, scn.market(availability_scale=scale))
-    columns, _ = prune_columns(problem)
-    targets = {k: target for k, d in problem.demand_tokens_per_s.items() if d > 0}
-    start = time.perf_counter()
-    cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s)
-    solve_s = time.perf_counter() - start
-    r = cg.result
-    gap = (r.objective - r.bound) / r.objective if r.objective > 0 else 0.0
-    return {"scenario": scn.name, "setting": setting, "status": r.status, "usd_per_hour": r.objective,
-            "mip_gap": gap, "bound_usd_per_hour": r.bound, "lp_usd_per_hour": cg.lp_objective,
-            "solve_s": solve_s, "columns": len(columns), "ilp_columns": cg.ilp_columns, "prepare_s": 0.0}
-
-
-def _fresh_replan(scn_name: str, db_path: str, time_limit_s: float, repeats: int) -> dict:
-    """Median wall time of `plan_round` in a new Python process (and the plan it stores) over `repeats` runs."""
-    from coral_dagster.app.rounds import store_demand
+def _fresh_replan(scn_name: str, db_path: str, max_nodes: int) -> dict:
+    """Wall time of `plan_round` in a new Python process (imports included) and the plan it stores."""
     from coral_dagster.allocation.inputs import scenario_rates
+    from coral_dagster.app.rounds import store_demand
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.catalog.store import append_snapshot
     from coral_dagster.store import Store
@@ -99,78 +86,84 @@ def _fresh_replan(scn_name: str, db_path: str, time_limit_s: float, repeats: int
     store = Store(db_path)
     append_snapshot(store, scn.market())
     store_demand(store, scn, scenario_rates(scn), "uniform")
-    env = {**os.environ, "CORAL_DB": db_path}
-    walls, inner = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = subprocess.run([sys.executable, __file__, "--child-replan", scn_name, "--time-limit-s",
-                              str(time_limit_s)], env=env, check=True, capture_output=True, text=True)
-        walls.append(time.perf_counter() - start)
-        inner.append(json.loads(out.stdout.strip().splitlines()[-1]))
-    return {"wall_s": statistics.median(walls), "wall_s_runs": walls, "runs": inner}
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "bench.solve_times", "--child-replan", scn_name, "--max-nodes",
+                          str(max_nodes)], env={**os.environ, "CORAL_DB": db_path}, check=True,
+                         capture_output=True, text=True)
+    return {"wall_s": time.perf_counter() - start, **json.loads(out.stdout.strip().splitlines()[-1])}
 
 
-def _child_replan(scn_name: str, time_limit_s: float) -> None:
-    """One re-plan as the `replan` job makes it, in this (fresh) process; prints its timings as JSON."""
+def _child_replan(scn_name: str, max_nodes: int) -> None:
+    """One re-plan as the `replan` job makes it, in this (fresh) process; prints its figures as JSON."""
     start = time.perf_counter()
     from coral_dagster.app.rounds import plan_round
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.store import Store
 
     imported = time.perf_counter()
-    rnd = plan_round(Store(), load_scenario(scn_name), "coral", time_limit_s=time_limit_s)
+    rnd = plan_round(Store(), load_scenario(scn_name), "coral", max_nodes=max_nodes)
     print(json.dumps({"import_s": imported - start, "plan_round_s": time.perf_counter() - imported,
-                      "plan_id": rnd.plan_id, "status": rnd.plan.status, "usd_per_hour": rnd.plan.cost_usd_per_hour,
-                      "solve_s": rnd.plan.solve_s, "timings_s": dict(rnd.plan.timings_s)}))
+                      "status": rnd.plan.status, "usd_per_hour": rnd.plan.cost_usd_per_hour,
+                      "gap": rnd.plan.mip_gap, "work_nodes": rnd.plan.work_nodes}))
+
+
+def headline(rows: list[dict]) -> list[dict]:
+    """One row per Coral plan: its proven gap and time against issue 30's target for the instance."""
+    out = []
+    for r in rows:
+        if r["method"] != "coral" or r["scenario"] not in TARGETS:
+            continue
+        gap_target, seconds = TARGETS[r["scenario"]][0 if r["setting"] == "default" else 1]
+        holds = r["gap"] <= gap_target and r["cpu_s"] <= seconds
+        out.append({"figure": f"{r['scenario']} {r['setting']}: gap to the proven bound, CPU time",
+                    "paper": f"≤ {gap_target:.0%} in ≤ {seconds:g} s (issue 30)",
+                    "ours": f"{r['gap']:.2%} in {r['cpu_s']:.0f} s CPU ({r['wall_s']:.0f} s wall), "
+                            f"{r['work_nodes']:,} nodes; {'holds' if holds else 'misses'}",
+                    "rule": f"--max-nodes {r['max_nodes']}", "availability": r["setting"], "section": "solver"})
+    return out
 
 
 def main() -> None:
+    from bench._results import write_result
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", default="core,extended")
     ap.add_argument("--settings", default=",".join(SETTINGS))
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--time-limit-s", type=float, default=None, help="default: core 10 s, extended 60 s")
-    ap.add_argument("--no-fresh", action="store_true", help="skip the fresh-process re-plan")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--max-nodes", type=int, default=None, help="work limit per MIP (default: the planner's)")
+    ap.add_argument("--no-alone", action="store_true", help="skip HiGHS alone on the whole ILP")
+    ap.add_argument("--fresh", action="store_true", help="also time a re-plan in a fresh process")
     ap.add_argument("--child-replan", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    from coral_dagster.highs import DEFAULT_MAX_NODES
+
+    max_nodes = args.max_nodes or DEFAULT_MAX_NODES
     if args.child_replan:
-        _child_replan(args.child_replan, args.time_limit_s or TIME_LIMIT_S.get(args.child_replan, 30.0))
+        _child_replan(args.child_replan, max_nodes)
         return
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.paths import default_db_path
 
     db_path = os.environ.get("CORAL_DB") or str(default_db_path())
-    doc = {"load_avg_start": os.getloadavg(), "repeats": args.repeats, "rows": [], "fresh_replan": {}, "load_s": {}}
+    doc: dict = {"load_avg_start": os.getloadavg(), "rows": [], "fresh_replan": {}, "load_s": {}}
     for name in args.scenarios.split(","):
         scn = load_scenario(name)
-        limit = args.time_limit_s or TIME_LIMIT_S.get(name, 30.0)
-        settings = [s for s in args.settings.split(",") if s]
-        if settings:
-            loads = []
-            for _ in range(args.repeats):
-                templates, load_s = _load(scn, db_path)
-                loads.append(load_s)
-            doc["load_s"][name] = statistics.median(loads)
-        for setting in settings:
-            row = _cost_row(scn, templates, setting, limit) if "@" in setting else _row(
-                scn, templates, setting, args.repeats, limit)
-            row["load_s"] = doc["load_s"][name]
-            doc["rows"].append(row)
-            print(json.dumps(row), flush=True)
-        if not args.no_fresh:
-            doc["fresh_replan"][name] = _fresh_replan(name, db_path, limit, args.repeats)
+        templates, doc["load_s"][name] = _load(scn, db_path)
+        for setting in [s for s in args.settings.split(",") if s]:
+            for row in _rows(scn, templates, setting, max_nodes, not args.no_alone):
+                doc["rows"].append(row)
+                print(json.dumps(row, default=str), flush=True)
+        if args.fresh:
+            doc["fresh_replan"][name] = _fresh_replan(name, db_path, max_nodes)
             print(json.dumps({name: doc["fresh_replan"][name]}), flush=True)
     doc["load_avg_end"] = os.getloadavg()
-    print("| scenario | setting | status | $/h | MIP gap | solve s | prepare s | load s | fresh re-plan s |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    doc["headline"] = headline(doc["rows"])
+    print("| scenario | setting | method | status | $/h | bound | gap | LP | nodes | CPU s | wall s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in doc["rows"]:
-        fresh = doc["fresh_replan"].get(r["scenario"], {}).get("wall_s") if r["setting"] == "default" else None
-        print(f"| {r['scenario']} | {r['setting']} | {r['status']} | {r['usd_per_hour']:,.2f} | "
-              f"{r['mip_gap']:.4f} | {r['solve_s']:.2f} | {r['prepare_s']:.2f} | {r['load_s']:.2f} | "
-              f"{'' if fresh is None else f'{fresh:.1f}'} |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(doc, indent=2, default=str))
+        print(f"| {r['scenario']} | {r['setting']} | {r['method']} | {r['status']} | {r['usd_per_hour']:,.2f} | "
+              f"{r['bound_usd_per_hour']:,.2f} | {r['gap']:.2%} | {r['lp_usd_per_hour']:,.2f} | "
+              f"{r['work_nodes']:,} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} |")
+    print(f"written to {write_result('solve_times', doc)}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Work limit (nodes per MIP) of the sensor's savings estimate: a quarter of a re-plan's (`highs.DEFAULT_MAX_NODES`),
+# so the estimate stays inside the sensor's tick; reproducible all the same.
+ESTIMATE_MAX_NODES = 1000
+
 
 @dataclass(frozen=True)
 class PlanState:
@@ -48,8 +52,9 @@ def decide_replan(current: PlanState | None, demand_tokens_per_s: dict[tuple[str
 
 
 def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time_limit_s: float = 10.0,
-             estimate_savings: bool = True) -> tuple[str, ReplanDecision]:
-    """(inputs key, decision) for the newest stored snapshot and demand against the newest Coral plan.
+             estimate_savings: bool = True, max_nodes: int | None = ESTIMATE_MAX_NODES) -> tuple[str, ReplanDecision]:
+    """(inputs key, decision) for the newest stored snapshot and demand against the newest Coral plan; the savings
+    estimate is a plan within `max_nodes` nodes per MIP (work) under the safety net `time_limit_s`.
 
     The key names the snapshot and demand the decision saw, so a caller can act once per new input."""
     from coral_dagster.allocation.demand import demand_tokens
@@ -78,7 +83,7 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     if estimate_savings:
         problem = scenario_problem(scenario, load_library(store, scenario), snap, rates=rates, running=plan.counts())
         try:
-            best = make_plan(problem, "coral", time_limit_s=time_limit_s)
+            best = make_plan(problem, "coral", time_limit_s=time_limit_s, max_nodes=max_nodes)
             candidate, churn = best.cost_usd_per_hour, best.churn_usd_per_hour
         except CoralError as exc:  # an infeasible or timed-out candidate is itself a reason to re-plan
             return key, ReplanDecision(True, (f"candidate plan failed: {exc}",))

@@ -25,10 +25,12 @@ Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
 #: Coral's ILP and the baselines planned on the same inputs (`allocation.methods`).
 METHODS: tuple[Method, ...] = ("coral", "homo", "homo-ilp", "cauchy", "helix")
 
-# "heuristic": a greedy baseline's plan (no optimality claim).
-SolveStatus = Literal["optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share", "heuristic"]
-SOLVE_STATUSES: tuple[SolveStatus, ...] = ("optimal", "feasible-time-limit", "infeasible", "scaled", "fair-share",
-                                           "heuristic")
+# "heuristic": a greedy baseline's plan (no optimality claim); "feasible-work-limit": stopped by the solver's work
+# limit (reproducible), "feasible-time-limit": by its wall-clock safety net (not reproducible).
+SolveStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "infeasible", "scaled", "fair-share",
+                      "heuristic"]
+SOLVE_STATUSES: tuple[SolveStatus, ...] = ("optimal", "feasible-work-limit", "feasible-time-limit", "infeasible",
+                                           "scaled", "fair-share", "heuristic")
 
 THatRule = Literal["paper", "slo"]
 #: The rules T̂ may be computed by (`templates.throughput`): `paper`, the paper's plain per-stage rule, and `slo`,

@@ -138,7 +138,7 @@ def test_coordinator_sheds_the_same_requests_with_429():
         assert all(extra["retry_after_s"] >= 0 for _, _, extra, _ in errors)
         assert all("5 req/s with bursts of up to 40 requests, at most 12 req/s over 4 requests" in problem
                    for *_, problem in errors)
-        assert shed_ids == {f"req-{k}" for k in np.flatnonzero(simulated)}
+        assert shed_ids == {f"req-{coord.incarnation}-{k}" for k in np.flatnonzero(simulated)}
     finally:
         coord.router.close(linger=0)
         coord.front.close(linger=0)

@@ -11,6 +11,7 @@ import pytest
 
 from coral_dagster.allocation.baselines import _Greedy, least_cost_cover, plan_cauchy, plan_homo, plan_homo_ilp
 from coral_dagster.allocation.check import plan_violations
+from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from synthetic import random_problem, synthetic_template
@@ -192,8 +193,8 @@ def test_a_scarcity_cost_solve_out_of_time_falls_back_to_the_level_solve(monkeyp
 
 @pytest.mark.parametrize("seed", range(16))
 def test_a_level_solve_that_times_out_at_zero_is_retried_with_more_time(seed, monkeypatch):
-    """The first level solve of each fair-share run ends at its time limit with no incumbent; the retry (the real
-    ILP) answers, so fair share still reaches the brute-force max-min level instead of fixing a model at 0."""
+    """The first level solve of each fair-share run ends at its work limit with no incumbent; the retry (the real
+    ILP, with more work) answers, so fair share still reaches the brute-force max-min level instead of fixing a model at 0."""
     from coral_dagster.allocation import colgen, ilp, scarcity
 
     problem = two_model(seed)
@@ -204,16 +205,16 @@ def test_a_level_solve_that_times_out_at_zero_is_retried_with_more_time(seed, mo
         pytest.skip("feasible or unservable draw")
     real, limits = colgen.solve_max_level, []
 
-    def first_times_out(problem, columns, groups, *args, time_limit_s=30.0, **kwargs):
+    def first_times_out(problem, columns, groups, *args, max_nodes=None, **kwargs):
         if len(groups) > 1:  # fair share's solves (one group per model), not the diagnosis
-            limits.append(time_limit_s)
+            limits.append(max_nodes)
             if len(limits) == 1:
-                return ilp.SolveResult("no-solution", (), math.nan, math.nan, time_limit_s)
-        return real(problem, columns, groups, *args, time_limit_s=time_limit_s, **kwargs)
+                return ilp.SolveResult("no-solution", (), math.nan, math.nan, 0.0)
+        return real(problem, columns, groups, *args, max_nodes=max_nodes, **kwargs)
 
     monkeypatch.setattr(scarcity.colgen, "solve_max_level", first_times_out)
-    plan = solve_plan(problem, scarcity_mode="fair", gap_rel=EXACT, time_limit_s=5.0)
-    assert limits[1] == pytest.approx(scarcity.RETRY_TIME_FACTOR * limits[0])
+    plan = solve_plan(problem, scarcity_mode="fair", gap_rel=EXACT, max_nodes=50)
+    assert limits[1] == scarcity.RETRY_WORK_FACTOR * limits[0]
     got = routed(problem, {(i.template, i.region): i.count for i in plan.instances})
     assert min(got.values()) == pytest.approx(best, abs=2e-3)
 
@@ -231,7 +232,7 @@ def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_de
         homo = plan_homo_ilp(problem, gap_rel=EXACT)
     except InfeasibleError:
         pytest.skip("no homogeneous plan meets demand")
-    assert solve_plan(problem, gap_rel=EXACT).cost_usd_per_hour <= homo.cost_usd_per_hour + 1e-6
+    assert make_plan(problem, "coral", gap_rel=EXACT).cost_usd_per_hour <= homo.cost_usd_per_hour + 1e-6
     real = colgen.solve_min_cost
 
     def cut_short(problem, columns, targets=None, *, start=None, **kwargs):
@@ -242,8 +243,7 @@ def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_de
                                                                     values=tuple(start)))
 
     monkeypatch.setattr(planner.colgen, "solve_min_cost", cut_short)
-    plan = solve_plan(problem, gap_rel=EXACT)
-    if not any("first incumbent" in n for n in plan.notes):
-        pytest.skip("every column homogeneous: no start to take")
+    plan = make_plan(problem, "coral", gap_rel=EXACT)
+    assert any("incumbent: the Homo-ILP plan" in n for n in plan.notes)
     assert plan.cost_usd_per_hour == pytest.approx(homo.cost_usd_per_hour, rel=1e-9)
     assert plan_violations(plan, problem) == []

@@ -80,7 +80,7 @@ def plans(draw) -> Plan:
             admit_depth_req={m: draw(finite) for m in admitted},
             admit_peak={m: (draw(finite), draw(finite)) for m in admitted}),
         expected_attainment=draw(st.dictionaries(st.sampled_from(MODELS), st.floats(0.0, 1.0), max_size=3)),
-        expected_from=draw(words), scenario_key=draw(words))
+        expected_from=draw(words), scenario_key=draw(words), work_nodes=draw(st.integers(0, 10**9)))
 
 
 def same(a, b) -> bool:

@@ -39,7 +39,7 @@ from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.recent import Recent
 from coral_dagster.allocation.types import Plan, PlannedInstance, Scarcity
 from coral_dagster.errors import CoralError, InfeasibleError
-from coral_dagster.highs import quiet_stdout
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, quiet_stdout
 from coral_dagster.templates.types import Template
 
 MAX_RATIO = 8
@@ -333,8 +333,9 @@ def plan_cauchy(problem: AllocationProblem, *, scarcity_mode: Scarcity | None = 
     return _greedy_plan(problem, "cauchy", scarcity_mode, time_limit_s)
 
 
-def plan_homo_ilp(problem: AllocationProblem, *, scarcity_mode: Scarcity | None = None, time_limit_s: float = 30.0,
-                  gap_rel: float = 1e-4) -> Plan:
-    """Homo-ILP: Coral's allocation ILP over the homogeneous templates only."""
+def plan_homo_ilp(problem: AllocationProblem, *, scarcity_mode: Scarcity | None = None,
+                  time_limit_s: float = SAFETY_NET_S, gap_rel: float = 1e-4,
+                  max_nodes: int | None = DEFAULT_MAX_NODES, diagnose: bool = True) -> Plan:
+    """Homo-ILP: Coral's allocation ILP over the homogeneous templates only (`solve_plan`'s limits)."""
     return solve_plan(homogeneous_problem(problem), method="homo-ilp", scarcity_mode=scarcity_mode,
-                      time_limit_s=time_limit_s, gap_rel=gap_rel)
+                      time_limit_s=time_limit_s, gap_rel=gap_rel, max_nodes=max_nodes, diagnose=diagnose)

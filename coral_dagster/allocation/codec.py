@@ -51,7 +51,7 @@ def plan_to_doc(plan: Plan) -> dict:
         "lp_bound_usd_per_hour": finite_json(plan.lp_bound_usd_per_hour),
         "mip_bound_usd_per_hour": finite_json(plan.mip_bound_usd_per_hour),
         "gap": finite_json(plan.gap), "mip_gap": finite_json(plan.mip_gap), "solve_s": plan.solve_s,
-        "demand_scale": plan.demand_scale,
+        "work_nodes": plan.work_nodes, "demand_scale": plan.demand_scale,
         "snapshot_id": plan.snapshot_id,
         "instances": [
             {"model": i.template.model, "phase": i.template.phase, "region": i.region,
@@ -152,7 +152,7 @@ def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = Tru
         cost_usd_per_hour=_number(doc, "cost_usd_per_hour", where, "-", default=0.0),
         lp_bound_usd_per_hour=_bound(doc, "lp_bound_usd_per_hour", where),
         gap=_bound(doc, "gap", where), solve_s=_number(doc, "solve_s", where, "-", default=0.0),
-        instances=instances, demand_tokens_per_s=demand, served_tokens_per_s=supplied,
+        work_nodes=_count(doc, "work_nodes", where), instances=instances, demand_tokens_per_s=demand, served_tokens_per_s=supplied,
         demand_scale=_number(doc, "demand_scale", where, "-", default=1.0), notes=tuple(notes),
         churn_usd_per_hour=_number(doc, "churn_usd_per_hour", where, "-", default=0.0),
         mip_bound_usd_per_hour=_bound(doc, "mip_bound_usd_per_hour", where),
@@ -285,6 +285,14 @@ def _number(row: Mapping, key: str, where: object, at: str, *, positive: bool = 
         least = "above" if positive else "of at least"
         raise CatalogError(where, at, key, f"{value!r} is not a finite number {least} 0", FIX)
     return float(value)
+
+
+def _count(doc: Mapping, key: str, where: object) -> int:
+    """A whole number of at least 0 (0 when absent)."""
+    value = doc.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise CatalogError(where, "-", key, f"{value!r} is not a whole number of at least 0", FIX)
+    return value
 
 
 def _bound(doc: Mapping, key: str, where: object) -> float:

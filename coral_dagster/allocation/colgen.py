@@ -53,9 +53,9 @@ MAX_PER_GROUP = 4000
 ADD_PER_ROUND = 200
 FALLBACK_THETA = 0.02
 SPLIT_SLACK = 0.03
-# The decomposed attempt gets at most this share of the time limit; the whole ILP, when needed, the rest.
+# Each ILP of the decomposed attempt gets this share of the work limit (nodes); the whole ILP, when needed, all of it.
 DECOMPOSED_SHARE = 0.4
-# The first ILP over the columns fixing keeps gets at most this share of the time left; a wider one the rest.
+# The first ILP over the columns fixing keeps gets this share of the work limit (nodes); a wider one all of it.
 FIRST_ILP_SHARE = 0.5
 TOL = 1e-9
 # Up to this many columns the LP and the ILP are solved directly: the detour costs more than it saves.
@@ -108,6 +108,12 @@ def _covers(reduced: np.ndarray, keep: Sequence[int], needed: np.ndarray | float
     outside = np.ones(len(reduced), dtype=bool)
     outside[list(keep)] = False
     return bool(np.all(reduced[outside] > np.broadcast_to(needed, reduced.shape)[outside]))
+
+
+def _timed(deadline: float) -> str:
+    """`feasible-time-limit` once the wall-clock safety net has passed (a decision taken on it is not
+    reproducible), else ""."""
+    return "feasible-time-limit" if time.perf_counter() >= deadline else ""
 
 
 def _infeasible(status: str, n: int, rounds: int = 1, groups: int = 1) -> MinCostSolve:
@@ -319,13 +325,14 @@ def _lp(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets
 
 def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Mapping[str, Sequence[DemandKey]],
                     fixed: Mapping[str, float] | None = None, *, integer: bool = True, cap: float = 1.0,
-                    time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> ilp.SolveResult:
+                    time_limit_s: float = 30.0, gap_rel: float = 1e-4,
+                    max_nodes: int | None = None) -> ilp.SolveResult:
     """`ilp.max_level` over all columns by column generation and reduced-cost fixing (module docstring), the
-    maximisation read as minimising −t. Values come back for every column."""
+    maximisation read as minimising −t, each MIP at most `max_nodes` nodes. Values come back for every column."""
     n = len(columns)
     if n <= DIRECT_MAX:
         return ilp.max_level(problem, columns, groups, fixed, integer=integer, cap=cap, time_limit_s=time_limit_s,
-                             gap_rel=gap_rel)
+                             gap_rel=gap_rel, max_nodes=max_nodes)
     deadline = time.perf_counter() + time_limit_s
     d = _data(problem, columns)
     keys, a_dem = _demand_matrix(problem, d, {k: cap for k in problem.demand_tokens_per_s})
@@ -334,7 +341,7 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
 
     def solve_subset(subset, limit, mip=False):
         return ilp.max_level(problem, [columns[j] for j in subset], groups, fixed, integer=mip, cap=cap,
-                             time_limit_s=limit, gap_rel=gap_rel)
+                             time_limit_s=limit, gap_rel=gap_rel, max_nodes=max_nodes)
 
     lp, subset, reduced, _ = _generate(n, np.zeros(n), keys, a_dem, names, a_avail, chosen, solve_subset, deadline)
     if lp.status != "optimal":
@@ -351,7 +358,7 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
         keep = sorted(set(subset) | {int(j) for j in np.nonzero(reduced <= theta)[0]})
         mip = solve_subset(keep, max(0.5, deadline - time.perf_counter()), mip=True)
         if mip.status in ("infeasible", "no-solution"):
-            if len(keep) == n or time.perf_counter() >= deadline:
+            if len(keep) == n or _timed(deadline):
                 return mip
             theta = max(theta * 4, FALLBACK_THETA * max(1.0, abs(level_lp)))
             continue
@@ -360,12 +367,12 @@ def solve_max_level(problem: AllocationProblem, columns: Sequence[Column], group
         if _covers(reduced, keep, needed):
             proven = True
             break
-        if time.perf_counter() >= deadline:
+        if _timed(deadline) or needed <= theta:  # unproven within the work limit, nothing left to widen to
             break
         theta = needed
     values = np.zeros(n)
     values[keep] = mip.values
-    status = mip.status if proven else "feasible-time-limit"
+    status = mip.status if proven else ilp.unproven(mip.status, _timed(deadline))
     bound = mip.bound if proven else max(mip.bound, level_lp - _least_outside(reduced, keep))
     return replace(mip, status=status, values=tuple(values.tolist()), bound=min(bound, level_lp))
 
@@ -411,9 +418,11 @@ def min_availability_scale(problem: AllocationProblem, columns: Sequence[Column]
 
 def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
                    targets: Mapping[DemandKey, float] | None = None, *, time_limit_s: float = 30.0,
-                   gap_rel: float = 1e-4, start: Sequence[float] | None = None) -> MinCostSolve:
+                   gap_rel: float = 1e-4, start: Sequence[float] | None = None,
+                   max_nodes: int | None = None) -> MinCostSolve:
     """`ilp.min_cost` over all columns, exactly, touching few of them (see the module docstring). `start` (counts
-    per column meeting the targets) is every ILP's first incumbent: its columns are in every ILP."""
+    per column meeting the targets) is every ILP's first incumbent: its columns are in every ILP. Each ILP explores
+    at most `max_nodes` nodes (the work limit); `time_limit_s` is a wall-clock safety net for the whole solve."""
     deadline = time.perf_counter() + time_limit_s
     n = len(columns)
     if n <= DIRECT_MAX:
@@ -421,7 +430,7 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
         if lp.status != "optimal":
             return _infeasible(lp.status, n)
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
-                           gap_rel=gap_rel, start=start)
+                           gap_rel=gap_rel, start=start, max_nodes=max_nodes)
         if mip.status == "no-solution":
             return _finish(problem, columns, _data(problem, columns), mip, list(range(n)), lp.objective,
                            np.asarray(lp.values), n, 1, math.inf, None, 1, targets, deadline)
@@ -430,15 +439,15 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
     keys, a_dem = _demand_matrix(problem, d)
     labels = group_labels(a_dem, keys)
     n_groups = len(set(labels.tolist()))
-    split_deadline = min(deadline, time.perf_counter() + DECOMPOSED_SHARE * time_limit_s)
     start_values = np.asarray(start, dtype=float) if start is not None else None
-    done = _solve(problem, columns, d, targets, split_deadline, gap_rel, labels, n_groups, start=start_values)
-    if isinstance(done, MinCostSolve) and (done.result.status in ("optimal", "infeasible")
-                                           or time.perf_counter() >= deadline):
+    split_nodes = None if max_nodes is None else max(1, int(DECOMPOSED_SHARE * max_nodes))
+    done = _solve(problem, columns, d, targets, deadline, gap_rel, labels, n_groups, start=start_values,
+                  max_nodes=split_nodes)
+    if isinstance(done, MinCostSolve) and (done.result.status in ("optimal", "infeasible") or _timed(deadline)):
         return done
     whole = _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups,
-                   done if isinstance(done, _SplitBound) else None, start=start_values)
-    if isinstance(done, MinCostSolve) and done.result.status == "feasible-time-limit" and (
+                   done if isinstance(done, _SplitBound) else None, start=start_values, max_nodes=max_nodes)
+    if isinstance(done, MinCostSolve) and done.result.status in ilp.FEASIBLE[1:] and (
             whole.result.status in ("infeasible", "no-solution") or done.result.objective < whole.result.objective):
         return done  # the decomposed plan fits availability and the whole ILP found nothing cheaper in time
     return whole
@@ -446,7 +455,7 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
 
 def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
            gap_rel: float, split: np.ndarray | None, n_groups: int,
-           split_bound: _SplitBound | None = None, start: np.ndarray | None = None
+           split_bound: _SplitBound | None = None, start: np.ndarray | None = None, max_nodes: int | None = None
            ) -> MinCostSolve | _SplitBound | None:
     """LP, a first plan, reduced-cost fixing, the ILP. With `split` (decomposed), what it proves (or None) when
     the group optima do not fit availability together; `split_bound` is that proof, used by the whole ILP.
@@ -465,7 +474,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
     if reduced is None:  # settled on the full LP: no reduced costs to fix by
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
                            gap_rel=gap_rel, split=split.tolist() if split is not None else None,
-                           start=start.tolist() if start is not None else None)
+                           start=start.tolist() if start is not None else None, max_nodes=max_nodes)
         return _finish(problem, columns, d, mip, list(range(n)), z_lp, lp_values, n, rounds, math.inf, split,
                        n_groups, targets, deadline)
     running = {int(j) for j in np.nonzero(d.running > 0)[0]}
@@ -490,12 +499,13 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
         # The first ILP leaves time for a wider one (the bound of a narrow ILP stops at the least reduced cost
         # left out).
         share = 1.0 if best is not None or len(keep) == n else FIRST_ILP_SHARE
+        nodes = None if max_nodes is None else max(1, int(share * max_nodes))
         mip = ilp.min_cost(problem, [columns[j] for j in keep], targets,
-                           time_limit_s=max(0.5, share * (deadline - time.perf_counter())), gap_rel=gap_rel,
+                           time_limit_s=max(0.5, deadline - time.perf_counter()), gap_rel=gap_rel,
                            split=split[keep].tolist() if split is not None else None,
-                           start=incumbent[keep].tolist() if incumbent is not None else None)
+                           start=incumbent[keep].tolist() if incumbent is not None else None, max_nodes=nodes)
         if mip.status in ("infeasible", "no-solution"):
-            if best is not None or len(keep) == n or mip.status == "no-solution" or time.perf_counter() >= deadline:
+            if best is not None or len(keep) == n or mip.status == "no-solution" or _timed(deadline):
                 break
             theta = np.maximum(theta * 4, FALLBACK_THETA * abs(z_lp))
             continue
@@ -514,7 +524,7 @@ def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targ
             proven = mip.status == "optimal" or len(keep) == n
             best = (mip, keep, theta)
             break
-        if time.perf_counter() >= deadline or capped:
+        if _timed(deadline) or capped:
             break
         if by_split is not None and len(by_split) < int((reduced <= needed[labels]).sum()):
             extra = by_split | {keep[i] for i, v in enumerate(mip.values) if v > 0}
@@ -614,7 +624,7 @@ def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds,
         values = _rounded(problem, d, lp_values, targets)
         if values is not None:
             cost = float(_objective_per_column(problem, d, values).sum())
-            result = ilp.SolveResult("feasible-time-limit", tuple(values.tolist()), cost,
+            result = ilp.SolveResult(ilp.unproven(mip.status, _timed(deadline)), tuple(values.tolist()), cost,
                                      min(cost, max(z_lp, fixing_bound) if math.isfinite(fixing_bound) else z_lp),
                                      mip.solve_s)
             return MinCostSolve(result, "optimal", z_lp, lp_columns, rounds, len(keep), theta, n_groups,
@@ -635,7 +645,7 @@ def _finish(problem, columns, d, mip, keep, z_lp, lp_values, lp_columns, rounds,
     # Fixing is exact when the plan found leaves no more above the LP bound than the least reduced cost left out.
     proven = proven or len(keep) == n
     bound = mip.bound if proven else fixing_bound
-    status = mip.status if proven else "feasible-time-limit"
+    status = mip.status if proven else ilp.unproven(mip.status, _timed(deadline))
     result = ilp.SolveResult(status, tuple(values.tolist()), mip.objective, max(bound, min(z_lp, mip.objective)),
                              mip.solve_s)
     return MinCostSolve(result, "optimal", z_lp, lp_columns, rounds, len(keep), theta, n_groups, split is not None)

@@ -48,7 +48,17 @@ from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
 from coral_dagster.highs import pulp_solver, quiet_stdout, silence_banner, solve_status
 
-RawStatus = Literal["optimal", "feasible-time-limit", "infeasible", "no-solution"]
+# The most rows per model the routing shares' elimination may write (phases ** regions): 2 phases, up to 4 regions.
+PROJECTED_MAX_ROWS = 16
+RawStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "infeasible", "no-solution"]
+# A plan, proven optimal or stopped by the work limit (reproducible) or by the wall-clock safety net (not).
+FEASIBLE = ("optimal", "feasible-work-limit", "feasible-time-limit")
+
+
+def unproven(*statuses: str) -> str:
+    """The status of a plan not proven optimal: `feasible-time-limit` when the wall clock stopped any solve that
+    made it (not reproducible), else `feasible-work-limit`."""
+    return "feasible-time-limit" if "feasible-time-limit" in statuses else "feasible-work-limit"
 
 
 @dataclass(frozen=True)
@@ -76,7 +86,8 @@ def _pulp():
     return pulp
 
 
-def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False):
+def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_jump: bool = False,
+           max_nodes: int | None = None):
     """HiGHS through its Python API; CBC when highspy is missing.
 
     HiGHS's feasibility-jump heuristic is off by default: on the allocation ILP's small knapsack-like models it
@@ -84,7 +95,7 @@ def solver(time_limit_s: float, gap_rel: float, mip: bool = True, feasibility_ju
     too: on core's coupled ILPs (~300 columns, solved at the root) it took a third to a half of the solve (0.10 vs
     0.16 s, 0.12 vs 0.25 s, 0.14 vs 0.25 s). Both are heuristics: optima unchanged.
     """
-    return pulp_solver(time_limit_s, gap_rel, mip, mip_heuristic_run_feasibility_jump=feasibility_jump,
+    return pulp_solver(time_limit_s, gap_rel, mip, max_nodes, mip_heuristic_run_feasibility_jump=feasibility_jump,
                        mip_heuristic_run_root_reduced_cost=False)
 
 
@@ -94,7 +105,8 @@ def churn_factor(problem: AllocationProblem) -> float:
     return problem.churn_k if any(n > 0 for n in problem.running.values()) else 0.0
 
 
-def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bool = False):
+def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bool = False,
+                max_nodes: int | None = None):
     """HiGHS handed a starting solution (`start`: variable -> value; others start at 0, or with `partial` are
     left for HiGHS to complete); plain HiGHS without highspy's API.
 
@@ -102,11 +114,11 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bo
     without searching (seen on a 36-column allocation ILP; presolve off finds the true optimum).
     """
     pulp = _pulp()
-    base = solver(time_limit_s, gap_rel, feasibility_jump=True)
+    base = solver(time_limit_s, gap_rel, feasibility_jump=True, max_nodes=max_nodes)
     if not isinstance(base, pulp.HiGHS):
         return base
 
-    class WarmHighs(pulp.HiGHS):
+    class WarmHighs(type(base)):
         def callSolver(self, lp):
             import numpy as np
 
@@ -117,7 +129,7 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bo
             lp.solverModel.setSolution(len(index), index, value)
             lp.solverModel.run()
 
-    return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel)
+    return WarmHighs(msg=False, timeLimit=time_limit_s, gapRel=gap_rel, **base.optionsDict)
 
 
 def _supply_terms(problem: AllocationProblem, columns: Sequence[Column],
@@ -160,6 +172,37 @@ def _routed_demand(prob, rows: dict, problem: AllocationProblem, columns: Sequen
     return share
 
 
+def _projected_demand(prob, rows: dict, problem: AllocationProblem, columns: Sequence[Column], nu: list,
+                      goal: Mapping[DemandKey, float] | float) -> bool:
+    """C2 and C2' with the routing shares eliminated (Fourier–Motzkin), when that takes at most PROJECTED_MAX_ROWS
+    rows per model: a model's requests can be routed iff Σ_r min over its phases p of S_pr / w_p ≥ 1 (S_pr its
+    supply in r over D_p, w_p the target), i.e. iff for every choice of one phase per region Σ_r S_{p(r)r} / w_{p(r)}
+    ≥ 1. Exact for integer plans and the same LP; HiGHS proves the allocation ILP faster without the shares
+    (issue 30's study: 1.3–2× on core's scarcity instances). Returns False (nothing added) when too many rows."""
+    import itertools
+
+    pulp = _pulp()
+    terms = _supply_terms(problem, columns, 1.0)
+    weight = {k: (goal if isinstance(goal, (int, float)) else goal.get(k, 1.0)) for k in problem.demand_tokens_per_s}
+    phases: dict[str, list[str]] = {}
+    for model, phase, _ in terms:
+        if weight[(model, phase)] > 0 and phase not in phases.setdefault(model, []):
+            phases[model].append(phase)
+    regions = list(problem.regions)
+    if any(len(p) ** len(regions) > PROJECTED_MAX_ROWS for p in phases.values()):
+        return False
+    for model, own in sorted(phases.items()):
+        for choice in itertools.product(own, repeat=len(regions)):
+            expr: dict = {}
+            for phase, region in zip(choice, regions):
+                w = weight[(model, phase)]
+                for i, coef in terms[(model, phase, region)]:
+                    expr[i] = max(expr.get(i, 0.0), min(1.0, coef / w))
+            _row(prob, rows, ("routed", model) + choice, pulp.LpConstraint(
+                pulp.LpAffineExpression([(nu[i], c) for i, c in expr.items()]), pulp.LpConstraintGE, None, 1.0))
+    return True
+
+
 def _availability_terms(columns: Sequence[Column], split: Sequence[int] | None = None) -> dict[tuple, list]:
     """Per C1 row, (column index, nodes used): rows are (region, node), or (group, region, node) when split."""
     terms: dict[tuple, list[tuple[int, int]]] = {}
@@ -177,15 +220,17 @@ def _row(prob, rows: dict, key: tuple, constraint) -> None:
 
 
 def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
-         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None) -> SolveResult:
+         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None,
+         max_nodes: int | None = None) -> SolveResult:
     """Solve and read status, values, objective and bound the same way for every variant; `start_values` (one per
-    column) is handed to HiGHS as a first incumbent."""
+    column) is handed to HiGHS as a first incumbent; `max_nodes` is the MIP's work limit."""
     pulp = _pulp()
     start = time.perf_counter()
     if start_values is not None and mip:
-        slv = warm_solver(dict(zip(columns_vars, start_values)), time_limit_s, gap_rel, partial=True)
+        slv = warm_solver(dict(zip(columns_vars, start_values)), time_limit_s, gap_rel, partial=True,
+                          max_nodes=max_nodes)
     else:
-        slv = solver(time_limit_s, gap_rel, mip)
+        slv = solver(time_limit_s, gap_rel, mip, max_nodes=max_nodes)
     prob.solve(slv)
     solve_s = time.perf_counter() - start
     status, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
@@ -205,8 +250,11 @@ def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
 def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Mapping[DemandKey, float] | None = None,
              *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
              overflow_weight: float | None = None, slack_usd: float | None = None,
-             split: Sequence[int] | None = None, start: Sequence[float] | None = None) -> SolveResult:
-    """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m.
+             split: Sequence[int] | None = None, start: Sequence[float] | None = None,
+             max_nodes: int | None = None, project: bool = True) -> SolveResult:
+    """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m, the MIP
+    exploring at most `max_nodes` nodes (the work limit; `time_limit_s` is a wall-clock safety net). An integer
+    solve writes C2 and C2' without the routing shares (`_projected_demand`) unless `project` is False.
 
     `start` (counts per column meeting the targets, e.g. the level solve's plan under scarcity) is the solver's
     first incumbent: it never returns a plan dearer than that, and prunes by its cost from the start.
@@ -244,10 +292,13 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
                                                             None, avail))
     if over:
         prob.setObjective(pulp.LpAffineExpression(objective))
-    # C2 demand in each region, C2' routing of every model's requests
+    # C2 demand in each region, C2' routing of every model's requests (an integer solve: shares eliminated)
     short = {}
     goal = targets if targets is not None else 1.0
-    for model, by_region in _routed_demand(prob, rows, problem, columns, nu, goal, goal).items():
+    projected = integer and project and slack_usd is None and _projected_demand(prob, rows, problem, columns, nu,
+                                                                                goal)
+    for model, by_region in ({} if projected else _routed_demand(prob, rows, problem, columns, nu, goal,
+                                                                 goal)).items():
         expr = [(x, 1.0) for x in by_region.values()]
         if slack_usd is not None:
             short[model] = prob.add_variable(f"short_{len(short)}", lowBound=0)
@@ -263,7 +314,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
         _row(prob, rows, ("churn", i), pulp.LpConstraint(
             pulp.LpAffineExpression([(var, 1.0), (nu[i], -c.usd_per_hour * k)]), pulp.LpConstraintGE, None,
             -c.running * c.usd_per_hour * k))
-    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, start)
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, start, max_nodes)
     extra = {**over, **short}
     if extra and result.status not in ("infeasible", "no-solution"):
         result = replace(result, overflow={key: float(v.varValue or 0.0) for key, v in extra.items()})
@@ -272,8 +323,9 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
 
 def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Mapping[str, Sequence[DemandKey]],
               fixed: Mapping[str, float] | None = None, *, integer: bool = True, cap: float = 1.0,
-              time_limit_s: float = 30.0, gap_rel: float = 1e-4) -> SolveResult:
-    """Maximise the served fraction t shared by the free groups, the fixed ones keeping their levels.
+              time_limit_s: float = 30.0, gap_rel: float = 1e-4, max_nodes: int | None = None) -> SolveResult:
+    """Maximise the served fraction t shared by the free groups, the fixed ones keeping their levels (at most
+    `max_nodes` MIP nodes).
 
     Returns the counts reaching the optimum; `level` is the exact t those counts reach (recomputed from them).
     """
@@ -303,7 +355,7 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
     for j, g in enumerate(sorted(free)):
         _row(prob, rows, ("level", g), pulp.LpConstraint(pulp.LpAffineExpression([(frac[g], 1.0), (t, -1.0)]),
                                                          pulp.LpConstraintGE, None, 0.0))
-    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows)
+    result = _run(prob, nu, time_limit_s, gap_rel, integer, rows, max_nodes=max_nodes)
     if result.status in ("infeasible", "no-solution"):
         return result
     routed = routed_fractions(problem, columns, result.values, cap)

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 from typing import Mapping, Sequence
 
-from coral_dagster.allocation import colgen, scarcity
+from coral_dagster.allocation import colgen, ilp, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
 from coral_dagster.vocab import Method, SolveStatus
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, nodes_explored
 
-# Share of the time limit a Coral solve first spends on its homogeneous columns alone (their plan starts the solve).
-HOMOGENEOUS_START_SHARE = 0.25
+# An incumbent plan counts as meeting demand when every model's routed share is within this of 1 (HiGHS's
+# feasibility tolerance is 1e-6) or its objective within this of the solver's.
+INCUMBENT_TOL = 1e-6
 
 SCARCITY_FIX = ("raise availability (`--availability-scale`), lower demand, or plan under scarcity with "
                 "`--scarcity scale` (every model scaled down alike) or `--scarcity fair` (max-min fair share).")
@@ -41,22 +44,26 @@ def churn_usd_per_hour(problem: AllocationProblem, instances: Sequence[PlannedIn
 def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, instances: list[PlannedInstance],
                *, lp_bound: float, mip_bound: float = math.nan, solve_s: float, demand_scale: float = 1.0,
                notes: Sequence[str] = (), bottlenecks: Sequence[Bottleneck] = (), pruning=None,
-               timings: Mapping[str, float] | None = None) -> Plan:
-    """Assemble a Plan: cost, churn and gap recomputed from the instances, never taken from a solver."""
+               timings: Mapping[str, float] | None = None, work_nodes: int = 0) -> Plan:
+    """Assemble a Plan: cost, churn and gaps recomputed from the instances, never taken from a solver; the proven
+    bound is the best of the solver's and the LP's (each bounds every plan), never above the plan's objective."""
     instances = sorted(instances, key=lambda i: (i.template.model, i.template.phase, i.region, i.template.template_id))
     cost = sum(i.count * i.usd_per_hour for i in instances)
     churn = churn_usd_per_hour(problem, instances)
     objective = cost + churn
     gap = (objective - lp_bound) / objective if objective > 0 and math.isfinite(lp_bound) else (
         0.0 if objective == 0 else math.nan)
+    proven = max([b for b in (mip_bound, lp_bound) if math.isfinite(b)], default=math.nan)
+    if math.isfinite(proven):
+        proven = min(proven, objective)
     return Plan(scenario=problem.scenario, method=method, status=status, cost_usd_per_hour=cost,
                 lp_bound_usd_per_hour=lp_bound, gap=max(0.0, gap) if math.isfinite(gap) else gap, solve_s=solve_s,
                 instances=tuple(instances), demand_tokens_per_s=dict(problem.demand_tokens_per_s),
                 served_tokens_per_s=served_tokens(problem, instances), demand_scale=demand_scale,
-                notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=mip_bound,
+                notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=proven,
                 bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
-                scenario_key=problem.scenario_key,
-                timings_s=dict(timings or {}), admission=AdmissionLimits(capacity_factors=dict(problem.capacity_factors)))
+                scenario_key=problem.scenario_key, timings_s=dict(timings or {}),
+                admission=AdmissionLimits(capacity_factors=dict(problem.capacity_factors)), work_nodes=work_nodes)
 
 
 def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[PlannedInstance]:
@@ -70,20 +77,57 @@ def unserved_keys(problem: AllocationProblem, columns: Sequence[Column]) -> list
     return [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0 and k not in covered]
 
 
-def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity_mode: Scarcity | None = None,
-               time_limit_s: float = 30.0, gap_rel: float = 1e-4, prune: bool = True) -> Plan:
-    """The cheapest plan meeting demand (plus churn penalty against `problem.running`).
+def incumbent_counts(problem: AllocationProblem, columns: Sequence[Column],
+                     counts: Mapping[tuple[str, str], int]) -> tuple[tuple[float, ...], float] | None:
+    """`counts` per (template id, region) as counts per column with their objective (cost plus churn), or None
+    when they use a column not there, exceed availability or leave some demand unmet: a plan to start from."""
+    index = {(c.template.template_id, c.region): j for j, c in enumerate(columns)}
+    values = [0.0] * len(columns)
+    for key, n in counts.items():
+        if n <= 0:
+            continue
+        if key not in index:
+            return None
+        values[index[key]] = float(n)
+    held: dict[tuple, int] = {}
+    for c, v in zip(columns, values):
+        for node, k in c.template.nodes.counts:
+            held[(c.region, node)] = held.get((c.region, node), 0) + int(v) * k
+    if any(n > problem.available_nodes.get(key, 0) for key, n in held.items()):
+        return None
+    routed = ilp.routed_fractions(problem, columns, values)
+    models = {k[0] for k, d in problem.demand_tokens_per_s.items() if d > 0}
+    if any(routed.get(m, 0.0) < 1.0 - INCUMBENT_TOL for m in models):
+        return None
+    instances = _instances(columns, values)
+    return tuple(values), sum(i.count * i.usd_per_hour for i in instances) + churn_usd_per_hour(problem, instances)
 
+
+def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity_mode: Scarcity | None = None,
+               time_limit_s: float = SAFETY_NET_S, gap_rel: float = 1e-4, prune: bool = True,
+               max_nodes: int | None = DEFAULT_MAX_NODES, incumbents: Mapping[str, Plan | None] | None = None,
+               diagnose: bool = True) -> Plan:
+    """The cheapest plan meeting demand (plus churn penalty against `problem.running`), each MIP at most
+    `max_nodes` nodes (work: the same plan on any machine; `time_limit_s` is a wall-clock safety net).
+
+    Never dearer than what it contains: the plan running now (when it still fits and meets demand) and every plan
+    of `incumbents` (name -> plan on the same problem, e.g. the Homo-ILP plan) whose instances meet demand start
+    the solve (the cheapest as HiGHS's first incumbent, their columns kept through pruning), and the cheapest of
+    them is returned whenever the solve ends with nothing cheaper, its status saying the solve was cut short.
     When demand cannot be met: with no `scarcity_mode`, raise InfeasibleError naming the models and node
-    configurations that bind; with `scale`, serve the largest common fraction of every model's demand; with
-    `fair`, the max-min fair fractions; either way at least cost for what is served.
-    Raises SolverTimeoutError when the time limit passes before any plan is found.
+    configurations that bind (`diagnose`: False skips naming them); with `scale`, serve the largest common fraction
+    of every model's demand; with `fair`, the max-min fair fractions; either way at least cost for what is served.
+    Raises SolverTimeoutError when the limits pass before any plan is found.
     """
     if scarcity_mode not in (None, "scale", "fair"):
         raise CoralError(f"unknown scarcity mode {scarcity_mode!r}.", "use scale, fair, or none.")
     start = time.perf_counter()
+    nodes_before = nodes_explored()
     timings: dict[str, float] = {}
-    columns, report = prune_columns(problem, prune_dominated=prune)
+    given = {name: p.counts() for name, p in (incumbents or {}).items() if p is not None}
+    if any(n > 0 for n in problem.running.values()):
+        given["the running plan"] = dict(problem.running)
+    columns, report = prune_columns(problem, prune_dominated=prune, keep={tid for c in given.values() for tid, _ in c})
     timings["prune_s"] = time.perf_counter() - start
     start = time.perf_counter()  # `solve_s` is the solve alone; preparation and pruning are `prune_s`
     notes = [f"columns: {report.columns_before} (template, region) pairs -> {report.columns_after} after pruning "
@@ -94,86 +138,89 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
         return build_plan(problem, method, "optimal", [], lp_bound=0.0, mip_bound=0.0,
                           solve_s=time.perf_counter() - start, notes=notes, pruning=report.as_dict(),
                           timings=timings)
+    limits = f"{max_nodes} nodes per MIP" if max_nodes is not None else "no work limit"
     feasible_lp = False
     if not missing:
         t0 = time.perf_counter()
-        warm = homogeneous_start(problem, columns, HOMOGENEOUS_START_SHARE * time_limit_s, gap_rel) \
-            if method == "coral" else None
-        if warm is not None:
-            notes.append(f"first incumbent: the plan over the {sum(v > 0 for v in warm[0])} homogeneous columns "
-                         f"used, {warm[1]:.2f} $/h (the plan is never dearer)")
-        cg = colgen.solve_min_cost(problem, columns, time_limit_s=max(0.5, time_limit_s - (time.perf_counter() - t0)),
-                                   gap_rel=gap_rel, start=warm[0] if warm is not None else None)
+        found = {name: incumbent_counts(problem, columns, counts) for name, counts in given.items()}
+        found = {name: v for name, v in found.items() if v is not None}
+        best_name = min(found, key=lambda name: (found[name][1], name)) if found else None
+        for name, (_, obj) in sorted(found.items()):
+            notes.append(f"incumbent: {name}, {obj:.2f} $/h (the plan is never dearer)")
+        cg = colgen.solve_min_cost(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel,
+                                   start=found[best_name][0] if best_name else None, max_nodes=max_nodes)
         timings["solve_s"] = time.perf_counter() - t0
         notes.append(_speedup_note(cg, len(columns)))
         feasible_lp = cg.lp_status == "optimal"
-        if feasible_lp and cg.result.status == "no-solution":
+        result = cg.result
+        if best_name is not None and (result.status not in ilp.FEASIBLE
+                                      or result.objective > found[best_name][1] + INCUMBENT_TOL):
+            solved = f"{result.objective:.2f} $/h" if result.status in ilp.FEASIBLE else result.status
+            notes.append(f"the solve ended ({solved}) no cheaper than {best_name}: that plan is returned")
+            bound = result.bound if result.status in ilp.FEASIBLE else math.nan
+            result = replace(result, status=ilp.unproven(result.status), values=found[best_name][0],
+                             objective=found[best_name][1], bound=bound)
+            feasible_lp = True
+        if feasible_lp and result.status == "no-solution":
             raise SolverTimeoutError(
-                f"the {method} allocation ILP found no plan within {time_limit_s:g} s "
-                f"({len(columns)} columns).", "raise the time limit (`--time-limit-s`).")
-        if feasible_lp and cg.result.status != "infeasible":
-            status = "optimal" if cg.result.status == "optimal" else "feasible-time-limit"
-            return build_plan(problem, method, status, _instances(columns, cg.result.values),
-                              lp_bound=cg.lp_objective, mip_bound=cg.result.bound,
-                              solve_s=time.perf_counter() - start, notes=notes, pruning=report.as_dict(),
-                              timings=timings)
+                f"the {method} allocation ILP found no plan within {limits} and {time_limit_s:g} s "
+                f"({len(columns)} columns).", "raise `--max-nodes` (or the safety net `--time-limit-s`).")
+        if feasible_lp and result.status != "infeasible":
+            return build_plan(problem, method, result.status, _instances(columns, result.values),
+                              lp_bound=cg.lp_objective, mip_bound=result.bound,
+                              solve_s=time.perf_counter() - start, notes=_limit_notes(notes, result.status, limits),
+                              pruning=report.as_dict(), timings=timings, work_nodes=nodes_explored() - nodes_before)
+    if scarcity_mode is None and not diagnose:
+        raise InfeasibleError(f"{method}: demand cannot be met with this availability.", SCARCITY_FIX)
     t0 = time.perf_counter()
-    diag = scarcity.diagnose(problem, columns, integer=feasible_lp, time_limit_s=time_limit_s)
+    diag = scarcity.diagnose(problem, columns, integer=feasible_lp, time_limit_s=time_limit_s, max_nodes=max_nodes)
     timings["diagnose_s"] = time.perf_counter() - t0
     if scarcity_mode is None:
         raise InfeasibleError(f"{method}: {diag.message()}", SCARCITY_FIX)
     t0 = time.perf_counter()
+    reach = scarcity.IlpReach(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel, max_nodes=max_nodes)
     if scarcity_mode == "scale":
-        level, targets, witness = scarcity.uniform_scale(problem, columns, time_limit_s=time_limit_s,
-                                                         gap_rel=gap_rel)
+        level, targets, witness = scarcity.uniform_scale(reach)
         notes.append(scarcity.uniform_note({k[0]: v for k, v in targets.items()}))
         status, scale = "scaled", level
     else:
-        levels, targets, witness = scarcity.fair_share(problem, columns, time_limit_s=time_limit_s,
-                                                       gap_rel=gap_rel)
+        levels, targets, witness = scarcity.fair_share(reach)
         notes.append("max-min fair share: " + ", ".join(f"{m} {f:.1%}" for m, f in sorted(levels.items())))
         status, scale = "fair-share", min(levels.values(), default=0.0)
     timings["scarcity_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     # The level solve's plan meets the targets: the cost solve starts from it (never dearer, prunes from the start).
     cg = colgen.solve_min_cost(problem, columns, targets, time_limit_s=time_limit_s, gap_rel=gap_rel,
-                               start=witness)
+                               start=witness, max_nodes=max_nodes)
     timings["solve_s"] = time.perf_counter() - t0
     values = cg.result.values
     if cg.result.status in ("infeasible", "no-solution"):
         if witness is None:
             raise SolverTimeoutError(
-                f"the {method} scarcity plan found no solution within {time_limit_s:g} s.",
-                "raise the time limit (`--time-limit-s`).")
+                f"the {method} scarcity plan found no solution within {limits} and {time_limit_s:g} s.",
+                "raise `--max-nodes` (or the safety net `--time-limit-s`).")
         # The level solve's own counts reach the levels: a plan, not proven cheapest.
         values = witness
-        notes.append(f"the cost solve at that level found no plan within {time_limit_s:g} s: the counts of the "
-                     f"level solve are the plan (not cost-minimised; raise `--time-limit-s`)")
+        notes.append(f"the cost solve at that level found no plan within {limits}: the counts of the level solve "
+                     f"are the plan (not cost-minimised; raise `--max-nodes`)")
     notes.append(_speedup_note(cg, len(columns)))
     notes.append(f"status of the cost solve at that level: {cg.result.status}")
+    every = reach.statuses + [cg.result.status]
     return build_plan(problem, method, status, _instances(columns, values),
                       lp_bound=cg.lp_objective, mip_bound=cg.result.bound, solve_s=time.perf_counter() - start,
-                      demand_scale=scale, notes=notes, bottlenecks=diag.bottlenecks, pruning=report.as_dict(),
-                      timings=timings)
+                      demand_scale=scale, notes=_limit_notes(notes, ilp.unproven(*every), limits),
+                      bottlenecks=diag.bottlenecks, pruning=report.as_dict(), timings=timings,
+                      work_nodes=nodes_explored() - nodes_before)
 
 
-def homogeneous_start(problem: AllocationProblem, columns: Sequence[Column], time_limit_s: float,
-                      gap_rel: float) -> tuple[tuple[float, ...], float] | None:
-    """Counts over all `columns` of the cheapest plan found in `time_limit_s` using only the homogeneous ones (one
-    node configuration per template: a smaller ILP that proves fast), with its cost; None when there are none, all
-    are, or none meets demand in time. As Coral's first incumbent it keeps the plan from ever costing more than the
-    homogeneous ablation's."""
-    homogeneous = [j for j, c in enumerate(columns) if c.template.homogeneous]
-    if not homogeneous or len(homogeneous) == len(columns):
-        return None
-    sub = colgen.solve_min_cost(problem, [columns[j] for j in homogeneous], time_limit_s=time_limit_s,
-                                gap_rel=gap_rel)
-    if sub.lp_status != "optimal" or sub.result.status not in ("optimal", "feasible-time-limit"):
-        return None
-    counts = [0.0] * len(columns)
-    for j, v in zip(homogeneous, sub.result.values):
-        counts[j] = float(v)
-    return tuple(counts), float(sub.result.objective)
+def _limit_notes(notes: list[str], status: str, limits: str) -> list[str]:
+    """`notes` plus what stopped the solve: the work limit (reproducible) or the wall-clock safety net (not)."""
+    if status == "feasible-time-limit":
+        return notes + ["the wall-clock safety net (`--time-limit-s`) stopped a solve: this plan depends on the "
+                        "machine's speed and load and is not reproducible; raise `--time-limit-s`"]
+    if status == "feasible-work-limit":
+        return notes + [f"stopped at the work limit ({limits}): the same inputs give this plan on any machine"]
+    return notes
 
 
 def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
@@ -198,8 +245,6 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
     against it, but no deeper, and if need be refilling slower, than lets what the buckets admit of the whole trace
     keep the capacity rule's target (`capacity.peak_bucket`): a bucket admits a burst's head whole, so an admitted
     burst must arrive no faster, and queue no longer, than the plan serves it within its SLO."""
-    from dataclasses import replace
-
     from coral_dagster.allocation.capacity import admission_depth_req, peak_bucket
 
     served = plan.served_fraction()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
@@ -197,21 +198,23 @@ def region_caps(lib: Library, usd_per_hour, available_nodes, region: str) -> tup
     return lib.use @ price, cap
 
 
-def prune_columns(problem: AllocationProblem, *, prune_dominated: bool = True) -> tuple[list[Column], PruneReport]:
+def prune_columns(problem: AllocationProblem, *, prune_dominated: bool = True,
+                  keep: Iterable[str] = ()) -> tuple[list[Column], PruneReport]:
     """The columns the ILP needs, in the library's order, and the report of what was pruned.
 
     Dominance is checked once per library: if B dominates A and A fits a region, B fits it too (it uses fewer
     of every node), so the per-region survivors are the global survivors that fit the region. Dominated
-    templates running now are kept.
+    templates running now, and those whose ids are in `keep` (an incumbent plan's), are kept.
     """
     lib = prepare(problem.templates)
     n = len(lib.templates)
     useful = demanded_mask(problem, lib)
     running = {(tid, r): k for (tid, r), k in problem.running.items() if k > 0}
     drop = lib.dominated.copy() if prune_dominated else np.zeros(n, dtype=bool)
-    if running and drop.any():
+    kept = {tid for tid, _ in running} | set(keep)
+    if kept and drop.any():
         row_of = {tid: i for i, tid in enumerate(lib.ids)}
-        for tid, _ in running:
+        for tid in kept:
             if tid in row_of:
                 drop[row_of[tid]] = False
     columns: list[Column] = []

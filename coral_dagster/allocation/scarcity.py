@@ -13,8 +13,8 @@ from coral_dagster.allocation.types import Bottleneck
 # Extra nodes cost this many times their price in the diagnosis, so the fewest extra dollars come first.
 OVERFLOW_WEIGHT = 1000.0
 TOL = 1e-6
-# A level solve that ends unproven at 0 is tried once more with this many times its time limit.
-RETRY_TIME_FACTOR = 3.0
+# A level solve that ends unproven at 0 is tried once more with this many times its work limit (nodes).
+RETRY_WORK_FACTOR = 3
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class Diagnosis:
 
 
 def diagnose(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = False,
-             time_limit_s: float = 10.0) -> Diagnosis:
+             time_limit_s: float = 10.0, max_nodes: int | None = None) -> Diagnosis:
     """Name the (model, phase) keys and (region, node) configurations that keep demand from being met."""
     keys = [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0]
     bottlenecks: list[Bottleneck] = []
@@ -50,14 +50,15 @@ def diagnose(problem: AllocationProblem, columns: Sequence[Column], *, integer: 
         if own:
             r = colgen.solve_max_level(alone, own, {"k": [key]}, integer=False, cap=1e6,
                                        time_limit_s=time_limit_s)
-            reach = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
+            reach = r.level if r.status in ilp.FEASIBLE else 0.0
         if reach < 1.0 - TOL:
             d = problem.demand_tokens_per_s[key]
             bottlenecks.append(Bottleneck("demand", f"{key[0]} {key[1]}", "", d, reach * d))
     joint = 0.0
     if columns:
-        r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s)
-        joint = r.level if r.status in ("optimal", "feasible-time-limit") else 0.0
+        r = colgen.solve_max_level(problem, columns, {"all": keys}, integer=integer, time_limit_s=time_limit_s,
+                                   max_nodes=max_nodes)
+        joint = r.level if r.status in ilp.FEASIBLE else 0.0
     if columns and not any(b.kind == "demand" and b.available == 0 for b in bottlenecks):
         r = colgen.elastic_lp(problem, columns, OVERFLOW_WEIGHT, time_limit_s=time_limit_s)
         if r.overflow:
@@ -137,12 +138,14 @@ def fair_levels(models: Sequence[str], reach: LevelOracle,
 class IlpReach:
     """The allocation ILP as a LevelOracle (`colgen.solve_max_level`, one group per model); it keeps the counts
     of every solve, so a plan reaching the levels found is at hand (`witness`). A solve ending unproven at level 0
-    (no incumbent, or only the empty one, at its time limit) is retried once with `RETRY_TIME_FACTOR` × the time."""
+    (no incumbent, or only the empty one, at its work limit) is retried once with `RETRY_WORK_FACTOR` × the nodes.
+    `statuses` keeps every solve's status (a wall-clock stop among them makes the levels unreproducible)."""
 
     def __init__(self, problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-                 time_limit_s: float = 30.0, gap_rel: float = 1e-4):
+                 time_limit_s: float = 30.0, gap_rel: float = 1e-4, max_nodes: int | None = None):
         self.problem, self.columns = problem, columns
-        self.integer, self.time_limit_s, self.gap_rel = integer, time_limit_s, gap_rel
+        self.integer, self.time_limit_s, self.gap_rel, self.max_nodes = integer, time_limit_s, gap_rel, max_nodes
+        self.statuses: list[str] = []
         self.groups: dict[str, list[DemandKey]] = {}
         for k, d in sorted(problem.demand_tokens_per_s.items()):
             if d > 0:
@@ -153,13 +156,15 @@ class IlpReach:
 
     def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
         floors = {m: v for m, v in held.items() if m not in free}
-        for limit_s in (self.time_limit_s, RETRY_TIME_FACTOR * self.time_limit_s):
+        nodes = self.max_nodes
+        for nodes in (nodes, None if nodes is None else RETRY_WORK_FACTOR * nodes):
             r = colgen.solve_max_level(self.problem, self.columns, self.groups, floors, integer=self.integer,
-                                       time_limit_s=limit_s, gap_rel=self.gap_rel)
-            if r.status == "optimal" or (r.status == "feasible-time-limit" and r.level > TOL):
-                break  # an unproven 0 is retried once with more time: it would fix a model at 0
+                                       time_limit_s=self.time_limit_s, gap_rel=self.gap_rel, max_nodes=nodes)
+            self.statuses.append(r.status)
+            if r.status == "optimal" or (r.status in ilp.FEASIBLE and r.level > TOL) or nodes is None:
+                break  # an unproven 0 is retried once with more work: it would fix a model at 0
         self.last_proven = r.status == "optimal"
-        if r.status not in ("optimal", "feasible-time-limit"):
+        if r.status not in ilp.FEASIBLE:
             return 0.0
         self.solutions.append((ilp.routed_fractions(self.problem, self.columns, r.values), r.values))
         return r.level
@@ -172,24 +177,18 @@ class IlpReach:
         return None
 
 
-def uniform_scale(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-                  time_limit_s: float = 30.0, gap_rel: float = 1e-4
-                  ) -> tuple[float, dict[DemandKey, float], tuple[float, ...] | None]:
-    """`uniform_levels` on the allocation ILP: the least level served (0 when a model cannot be served at all),
-    the targets per key and counts that reach them (see `IlpReach.witness`)."""
-    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+def uniform_scale(reach: IlpReach) -> tuple[float, dict[DemandKey, float], tuple[float, ...] | None]:
+    """`uniform_levels` on the allocation ILP (`reach`): the least level served (0 when a model cannot be served at
+    all), the targets per key and counts that reach them (see `IlpReach.witness`)."""
     levels = uniform_levels(reach.models, reach, lambda: reach.last_proven)
-    return min(levels.values(), default=0.0), _targets(problem, levels), reach.witness(levels)
+    return min(levels.values(), default=0.0), _targets(reach.problem, levels), reach.witness(levels)
 
 
-def fair_share(problem: AllocationProblem, columns: Sequence[Column], *, integer: bool = True,
-               time_limit_s: float = 30.0, gap_rel: float = 1e-4
-               ) -> tuple[dict[str, float], dict[DemandKey, float], tuple[float, ...] | None]:
-    """`fair_levels` on the allocation ILP (a model's served fraction is the smaller of its phases': a request
-    needs both); returns the level per model, the targets per key and counts that reach them."""
-    reach = IlpReach(problem, columns, integer=integer, time_limit_s=time_limit_s, gap_rel=gap_rel)
+def fair_share(reach: IlpReach) -> tuple[dict[str, float], dict[DemandKey, float], tuple[float, ...] | None]:
+    """`fair_levels` on the allocation ILP (`reach`; a model's served fraction is the smaller of its phases': a
+    request needs both); returns the level per model, the targets per key and counts that reach them."""
     levels = fair_levels(reach.models, reach, lambda: reach.last_proven)
-    return levels, _targets(problem, levels), reach.witness(levels)
+    return levels, _targets(reach.problem, levels), reach.witness(levels)
 
 
 def uniform_note(levels: Mapping[str, float]) -> str:

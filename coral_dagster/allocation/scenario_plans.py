@@ -10,6 +10,7 @@ from coral_dagster.allocation.planner import with_admission
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.templates.types import Template
 
 
@@ -36,12 +37,13 @@ def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
 
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
                   demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
-                  time_limit_s: float = 30.0, db_path: str | None = None,
+                  time_limit_s: float = SAFETY_NET_S, db_path: str | None = None,
                   templates: Sequence[Template] | None = None, market=None, burst_aware: bool = True,
-                  boost: Mapping[str, float] | None = None) -> Plan:
+                  boost: Mapping[str, float] | None = None, max_nodes: int | None = DEFAULT_MAX_NODES) -> Plan:
     """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
     it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
-    replaces the scenario's bundled snapshot scaled by `availability_scale`."""
+    replaces the scenario's bundled snapshot scaled by `availability_scale`; `max_nodes` is each MIP's work limit,
+    `time_limit_s` the wall-clock safety net."""
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
     market = market or scn.market(availability_scale=availability_scale)
     if method == "helix":
@@ -53,5 +55,6 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
     problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
                                running=running.counts() if running else None, burst_aware=burst_aware,
                                boost=boost)
-    return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
+    return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s,
+                                    max_nodes=max_nodes),
                           scenario_rates(scn, demand_mix), scn.models)

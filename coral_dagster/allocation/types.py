@@ -84,9 +84,11 @@ class Plan:
 
     `cost_usd_per_hour` is what the instances cost; `churn_usd_per_hour` the penalty K·p of instances launched
     against the running plan (0 for a fresh plan); the LP bound and `gap` refer to their sum, the objective.
-    `lp_bound_usd_per_hour` is the LP relaxation solved on its own; `mip_bound_usd_per_hour` the dual bound the
-    MIP solver proved (NaN for plans not made by the ILP). `gap` is measured to the LP bound, `mip_gap` to the
-    MIP bound: a plan proven optimal has `mip_gap` 0 and still a `gap` where the LP relaxation is weak.
+    `lp_bound_usd_per_hour` is the LP relaxation solved on its own; `mip_bound_usd_per_hour` the best bound the
+    solve proved (the MIP solver's dual bound or the LP's, whichever is higher; NaN for plans not made by the ILP).
+    `mip_gap`, to the proven bound, is the gap users read; `gap` is measured to the LP bound: a plan proven optimal
+    has `mip_gap` 0 and still a `gap` where the LP relaxation is weak. `work_nodes` is the work the solve took
+    (branch-and-bound nodes over all its MIPs), the same on any machine, beside its wall time `solve_s`.
     """
 
     scenario: str
@@ -113,6 +115,7 @@ class Plan:
     expected_from: str = ""
     # The scenario contents it was planned for (`Scenario.scenario_key`): what "latest" is looked up by.
     scenario_key: str = ""
+    work_nodes: int = 0
 
     def __post_init__(self) -> None:
         # A bound that is not finite is no bound (e.g. −∞ before any ILP proved one): one value, NaN, says so.

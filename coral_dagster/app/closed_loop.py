@@ -61,6 +61,16 @@ def worst_window_attainment(plan: Plan, scenario: Scenario, rates: Mapping[str, 
     return out
 
 
+def held_plan(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario, rates: Mapping[str, float], *,
+              loop: bool = True, rounds: int = 3, window_s: float = ATTAINMENT_WINDOW_S) -> Plan:
+    """The plan every way of planning makes (`coral plan`, `coral run`, the re-plan asset): `make({})` sized by the
+    capacity rule, then, with `loop` (the default), the closed loop's choice, which keeps each model's SLO
+    attainment target in simulation where the rule alone falls short."""
+    if not loop:
+        return make({})
+    return closed_loop(make, scenario, rates, rounds=rounds, window_s=window_s)[0]
+
+
 def closed_loop(make: Callable[[Mapping[str, float]], Plan], scenario: Scenario, rates: Mapping[str, float], *,
                 rounds: int = 3, step: float = 1.25, window_s: float = ATTAINMENT_WINDOW_S, seed: int = 0,
                 measure: Callable[..., Mapping[str, float]] = worst_window_attainment) -> tuple[Plan, list[Round]]:

@@ -15,11 +15,13 @@ from coral_dagster.allocation.planner import with_admission
 from coral_dagster.allocation.prepared import planning_templates
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.storage import store_plan
+from coral_dagster.app.closed_loop import held_plan
 from coral_dagster.app.plans import find_plan
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.catalog.store import latest_snapshot
 from coral_dagster.errors import CoralError
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.store.duck import Store, newest_snapshot, write_frame
 from coral_dagster.store.views import create_views
 from coral_dagster.templates.library import load_library
@@ -70,13 +72,15 @@ class PlanRound:
 
 
 def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarcity: str | None = None,
-               time_limit_s: float = 30.0, run_id: str | None = None, closed_loop: bool = False,
-               loop_rounds: int = 3, loop_window_s: float = ATTAINMENT_WINDOW_S) -> PlanRound:
+               time_limit_s: float = SAFETY_NET_S, run_id: str | None = None, closed_loop: bool = False,
+               loop_rounds: int = 3, loop_window_s: float = ATTAINMENT_WINDOW_S,
+               max_nodes: int | None = DEFAULT_MAX_NODES) -> PlanRound:
     """Plan from the stored library, newest snapshot and newest demand; churn is priced against the newest plan
     of the same method. With `closed_loop`, the plan is simulated on each model's own trace and re-planned with
     more capacity for models that fall short (`app.closed_loop`). A plan that serves less than the demand admits
     per model only the request rate it serves (`admit_req_s`). The plan is written in one transaction; a failure
-    writes nothing."""
+    writes nothing. `max_nodes` is each MIP's work limit (the plan is the same on any machine), `time_limit_s` the
+    wall-clock safety net."""
     running = find_plan(store, scenario, method)
     demand_id, rates = latest_demand(store, scenario)
     snapshot = latest_snapshot(store, scenario)
@@ -89,22 +93,20 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
                          "materialize `template_library` (every model partition) or run "
                          f"`coral templates build --scenario {scenario.name}`.")
 
+    def problem_for(boost):
+        return scenario_problem(scenario, templates, snapshot, rates=rates,
+                                running=running.counts() if running else None, boost=boost)
+
     def make(boost):
-        problem = scenario_problem(scenario, templates, snapshot, rates=rates,
-                                   running=running.counts() if running else None, boost=boost)
-        return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s),
-                              rates, scenario.models), problem
+        return with_admission(make_plan(problem_for(boost), method, scarcity_mode=scarcity,
+                                        time_limit_s=time_limit_s, max_nodes=max_nodes), rates, scenario.models)
 
-    plan, problem = make({})
-    if closed_loop:
-        from coral_dagster.app.closed_loop import closed_loop as loop
-
-        plan, _ = loop(lambda boost: make(boost)[0], scenario, rates, rounds=loop_rounds,
-                       window_s=loop_window_s)
+    problem = problem_for({})
+    plan = held_plan(make, scenario, rates, loop=closed_loop, rounds=loop_rounds, window_s=loop_window_s)
     inputs = {"scenario_path": scenario.path, "demand_id": demand_id, "snapshot_id": problem.snapshot_id,
               "templates": len(templates),
               "running_plan": running.plan_id if running else None, "scarcity": scarcity,
-              "closed_loop": closed_loop}
+              "closed_loop": closed_loop, "max_nodes": max_nodes, "time_limit_s": time_limit_s}
     plan = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
     create_views(store)
     return PlanRound(plan.plan_id, plan, problem, demand_id)

@@ -13,6 +13,7 @@ from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_op
 from coral_dagster.cli.templates import t_hat_rule_option, with_t_hat_rule
 from coral_dagster.vocab import METHODS, SERVING_ENGINES
 
+from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 
@@ -32,9 +33,9 @@ def _print_plan(plan) -> None:
     gap = f"{plan.gap:.2%}" if plan.gap == plan.gap else "n/a"
     mip_gap = f"{plan.mip_gap:.2%}" if plan.mip_gap == plan.mip_gap else "n/a"
     click.echo(f"cost {plan.cost_usd_per_hour:,.2f} $/h (churn penalty {plan.churn_usd_per_hour:,.2f}), "
-               f"LP bound {plan.lp_bound_usd_per_hour:,.2f}, gap to LP {gap}, to MIP bound {mip_gap}, "
-               f"solved in {plan.solve_s:.2f} s, "
-               f"demand scale {plan.demand_scale:.2%}")
+               f"gap {mip_gap} to the proven bound {plan.mip_bound_usd_per_hour:,.2f} "
+               f"(LP bound {plan.lp_bound_usd_per_hour:,.2f}, {gap} to it), {plan.work_nodes:,} nodes of work in "
+               f"{plan.solve_s:.2f} s, demand scale {plan.demand_scale:.2%}")
     for m, rate in sorted(plan.admission.admit_req_s.items()):
         depth = plan.admission.admit_depth_req.get(m)
         peak = plan.admission.admit_peak.get(m)
@@ -65,7 +66,13 @@ def _print_plan(plan) -> None:
                    "launching beyond it pays the churn penalty.")
 @click.option("--scarcity", type=click.Choice(["none", "scale", "fair"]), default="none", show_default=True,
               help="When demand cannot be met: error (none), scale every model alike, or max-min fair share.")
-@click.option("--time-limit-s", type=POSITIVE, default=30.0, show_default=True, help="Solver time limit.")
+@click.option("--max-nodes", type=click.IntRange(min=1), default=DEFAULT_MAX_NODES, show_default=True,
+              help="Work limit: branch-and-bound nodes per MIP (the same plan on an idle or a loaded machine).")
+@click.option("--time-limit-s", type=POSITIVE, default=SAFETY_NET_S, show_default=True,
+              help="Wall-clock safety net of a solve; a plan it stops is reported as not reproducible.")
+@click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
+              help="As `coral run`: simulate the plan on each model's own trace and re-plan with more capacity for "
+                   "models below their attainment target (at most 3 plans); off: the capacity rule's plan alone.")
 @click.option("--store/--no-store", "save", default=True, show_default=True,
               help="Write the plan to the DuckDB file (tables plans, plan_instances).")
 @t_hat_rule_option
@@ -73,7 +80,8 @@ def _print_plan(plan) -> None:
 @db_option
 @json_option
 def plan(scenario: str, method: str, availability_scale: float, engine: str | None, demand_mix: str,
-         running_id: str | None, scarcity: str, time_limit_s: float, save: bool, t_hat_rule: str | None,
+         running_id: str | None, scarcity: str, max_nodes: int, time_limit_s: float, closed_loop: bool, save: bool,
+         t_hat_rule: str | None,
          db_path: str | None, as_json: bool) -> None:
     """Choose how many instances of which templates to run in which region, at least cost.
 
@@ -84,8 +92,10 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     from dataclasses import replace
 
     from coral_dagster.allocation.codec import plan_to_doc
+    from coral_dagster.allocation.inputs import scenario_rates
     from coral_dagster.allocation.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
+    from coral_dagster.app.closed_loop import held_plan
     from coral_dagster.app.plans import resolve_plan
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.catalog.store import append_snapshot
@@ -96,15 +106,19 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     scn = load_scenario(scenario)
     scn = replace(with_t_hat_rule(scn, t_hat_rule), engine=engine or scn.engine)
     market = scn.market(availability_scale=availability_scale)
-    result = plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
-                           scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
-                           db_path=db_path)
+
+    def make(boost):
+        return plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
+                             scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
+                             db_path=db_path, boost=boost, max_nodes=max_nodes)
+
+    result = held_plan(make, scn, scenario_rates(scn, demand_mix), loop=closed_loop and method != "helix")
     if save:
         inputs = {"scenario": scenario, "scenario_path": scn.path, "method": method, "engine": scn.engine,
                   "t_hat_rule": scn.t_hat_rule,
                   "availability_scale": availability_scale,
                   "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
-                  "time_limit_s": time_limit_s}
+                  "time_limit_s": time_limit_s, "max_nodes": max_nodes, "closed_loop": closed_loop}
         if result.snapshot_id == market.snapshot_id:
             append_snapshot(store, market)
         result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
