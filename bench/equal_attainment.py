@@ -35,7 +35,7 @@ def headline(rows: list[dict], scenarios: dict) -> list[dict]:
             continue
         name = r["scenario"].split(":")[0]
         scn = scenarios[name]
-        ours = (f"{r['sized_x_coral']:.2f}×" if r.get("sized_x_coral") else
+        ours = (f"{r['sized_x_coral']:.3f}×" if r.get("sized_x_coral") else
                 f"cannot be sized (serves {r['reach_served_share']:.1%})" if r.get("reach_served_share") is not None
                 else "cannot be sized")
         paper = PAPER.get((r["scenario"], r["method"])) or ("up to 2.79× over the best baseline"
