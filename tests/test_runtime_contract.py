@@ -150,11 +150,11 @@ def test_one_table_names_every_coral_variable_of_the_runtime():
     assert options <= table
     # Variables no option reads: the CURVE keys (read by every role) and those of the task scripts.
     assert table - options == {Env.CURVE_SECRET_KEY, Env.CURVE_PUBLIC_KEYS, Env.HEAD, Env.VLLM_SPEC,
-                               Env.PROFILE_NODE, Env.PROFILE_LAYERS}
-    # What the deployment specs and SkyPilot tasks set is what the runtime reads.
+                               Env.PROFILE_NODE, Env.PROFILE_LAYERS, Env.MODELS_DIR}
+    # What the deployment specs and SkyPilot tasks set, and what any runtime module reads, is in the table.
     written = set()
     for path in [ROOT / "coral_dagster" / "deploy" / "spec.py", ROOT / "coral_dagster" / "deploy" / "tasks.py",
-                 *(ROOT / "sky_tasks").glob("*.yaml")]:
+                 *(ROOT / "sky_tasks").glob("*.yaml"), *RUNTIME.glob("*.py")]:
         text = path.read_text()
         written |= set(re.findall(r'"(CORAL_[A-Z_]+)"', text)) | set(re.findall(r"^\s+(CORAL_[A-Z_]+):", text, re.M))
     assert written and written <= table, written - table

@@ -134,6 +134,7 @@ class LocalDeployment:
         write_secret(self.api_key_file, self.api_key + "\n")
         self._roles: dict[str, tuple[Callable[..., None], dict[str, Any], bool]] = {}
         self._stopping = threading.Event()
+        self._stopped = False
         self._ready = threading.Event()
         self._supervisor: threading.Thread | None = None
 
@@ -160,8 +161,11 @@ class LocalDeployment:
         proc.start()
         self.procs[name] = proc
         if name in self.pidfds:
-            os.close(self.pidfds[name])
-        self.pidfds[name] = os.pidfd_open(proc.pid)
+            os.close(self.pidfds.pop(name))
+        try:
+            self.pidfds[name] = os.pidfd_open(proc.pid)
+        except ProcessLookupError:
+            pass  # It has already ended (and its fork server reaped it): `exitcode` reads its status.
         self._roles[name] = (target, kwargs, own_children)
 
     def exitcode(self, name: str, wait_s: float = 0.0) -> int | None:
@@ -282,8 +286,9 @@ class LocalDeployment:
         self._stopping.set()
         if self._supervisor is not None:
             self._supervisor.join(timeout=5)
-        if not self.pidfds:
+        if self._stopped:
             return
+        self._stopped = True
         for name in self.procs:
             if self.alive(name):
                 self._signal(name, signal.SIGTERM)

@@ -249,10 +249,12 @@ class Env(StrEnum):
     MAX_MODEL_LEN = "CORAL_MAX_MODEL_LEN"
     GPU_MEMORY_UTILIZATION = "CORAL_GPU_MEMORY_UTILIZATION"
     ENFORCE_EAGER = "CORAL_ENFORCE_EAGER"
-    # Read by SkyPilot task scripts on GPU nodes, not by an option: whether this node also runs its scheduler
+    # Read by SkyPilot task scripts on GPU nodes or by libraries, not by an option: whether this node also runs its scheduler
     # (sky_tasks/engine.yaml), the vLLM build to install (sky_tasks/setup_node.sh), what `coral profile run`
     # measures (sky_tasks/profile.yaml).
     HEAD = "CORAL_HEAD"
+    # Where `runtime/hf_export.py` keeps the tiny models it exports for vLLM.
+    MODELS_DIR = "CORAL_MODELS_DIR"
     VLLM_SPEC = "CORAL_VLLM_SPEC"
     PROFILE_NODE = "CORAL_PROFILE_NODE"
     PROFILE_LAYERS = "CORAL_PROFILE_LAYERS"
