@@ -4,9 +4,9 @@
 fused aggregated step model, and a prefill/decode pair handing KV over through a vLLM KV connector. Prints a
 table and writes bench/results/gpu_check.json.
 
-The fused step model is `profiles.stage_times.fused_step_ms` (branch h-rules; the aggregated T̂ of
-`templates/throughput.py` prices steps with it). Where this checkout lacks it, the `fused` rows say so and hold
-the measured times alone (`fused_model_ms_per_layer` is the hook: null until the model is there)."""
+The fused step model is `profiles.stage_times.fused_step_ms` (the aggregated T̂ of `templates/throughput.py`
+prices steps with it), run in the planner environment; should it fail there, `fused_model_ms_per_layer` is null
+and `fused_model_error` says why, beside the measured times."""
 
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ SHALLOW, DEEP = 2, 6
 # (vLLM's token budget set to their sum, so every step of that prompt's prefill holds both).
 FUSED_CHUNK, FUSED_PROMPT = PREFILL_TOKENS, 4 * PREFILL_TOKENS
 API_KEY = "gpu-check-key"
-# The KV connector of the PD pair; ExampleConnector (vLLM's reference: KV through shared storage) needs no
-# extra package; NixlConnector needs `nixl` on the node.
-CONNECTOR = os.environ.get("CORAL_GPU_CHECK_CONNECTOR", "ExampleConnector")
+# The KV connector of the PD pair: vLLM's reference ExampleConnector (KV through shared storage), which runs the
+# two instances one after the other. The deployment's NixlConnector (templates/engines.py) needs both live at once
+# and the prefill's kv_transfer_params handed to the decode request: not covered here.
+CONNECTOR = "ExampleConnector"
 
 
 def _free_port() -> int:
@@ -189,8 +190,7 @@ def _coral_latency(phase: str) -> float | None:
 
 def _fused_model() -> dict:
     """The fused aggregated step model's ms per layer for the measured fused step, and the unfused sum (decode step
-    plus prefill chunk priced apart) beside it, from the planner environment; {"error": …} where the model is not
-    in this checkout (the hook: templates/throughput.py on h-rules prices steps with `fused_step_ms`)."""
+    plus prefill chunk priced apart) beside it, from the planner environment; {"error": …} where it cannot run."""
     if not PLANNER_PY:
         return {"error": "no planner environment (CORAL_PLANNER_PYTHON)"}
     code = f"""
@@ -237,15 +237,16 @@ def pd_pair() -> dict:
     from coral_dagster.runtime.generate import generate
     from coral_dagster.runtime.tokenizer import ByteTokenizer
     from coral_dagster.runtime.vllm_engine import VllmLaunch, engine_args, vllm_model
+    from coral_dagster.templates.engines import vllm_kv_transfer_config
 
     path, n_layers, _, dtype = vllm_model("tiny-llama")
     text = "Prefill here, decode there: one KV cache handed over between two vLLM instances. " * 2
     prompt = ByteTokenizer().encode(text)
     storage = tempfile.mkdtemp(prefix="coral-kv-")
-    config = {"kv_connector": CONNECTOR, "kv_role": "kv_both",
-              "kv_connector_extra_config": {"shared_storage_path": storage}}
 
     def run(role: str, max_tokens: int):
+        config = vllm_kv_transfer_config(role, CONNECTOR, engine_id=f"gpu-check-{role}",
+                                         extra={"shared_storage_path": storage})
         launch = VllmLaunch(path, (n_layers,), dtype=dtype, max_model_len=512, gpu_memory_utilization=0.2,
                             enforce_eager=True)
         llm = LLMEngine.from_engine_args(engine_args([*launch.argv(0), "--kv-transfer-config",
