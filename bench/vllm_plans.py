@@ -49,7 +49,7 @@ def plan_row(scn, rule: str, scale: float, label: str, method: str, engine: str,
 
 def headline(rows: list[dict]) -> list[dict]:
     """Cost of each vLLM and Homo plan ÷ the Coral-runtime plan's, per scenario, rule and availability, where both
-    meet demand."""
+    meet demand, with both solver statuses (a plan stopped at the time limit may be dearer than its optimum)."""
     out = []
     for r in rows:
         base = next((b for b in rows if b["scenario"] == r["scenario"] and b["rule"] == r["rule"]
@@ -61,7 +61,8 @@ def headline(rows: list[dict]) -> list[dict]:
         out.append({"figure": f"{r['plan']} plan cost ÷ Coral-runtime plan cost, {r['scenario']}", "paper": None,
                     "ours": ratio, "rule": r["rule"],
                     "availability": f"scenario file × {r['availability_scale']:g} (fixed demand)",
-                    "section": "vLLM plans", **({} if meets else {"note": r.get("error", "demand not met")[:160]})})
+                    "section": "vLLM plans", "statuses": [r.get("status"), base.get("status")],
+                    **({} if meets else {"note": r.get("error", "demand not met")[:160]})})
     return out
 
 
