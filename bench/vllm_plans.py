@@ -9,7 +9,10 @@ cannot be. Prints a table and writes bench/results/vllm_plans.json with `headlin
 Coral-runtime plan at the same availability).
 
     python -m bench.vllm_plans [--scenarios core,extended] [--rules slo,paper] [--availability-scales 1,10]
-        [--time-limit-s 60]
+        [--n-max N] [--time-limit-s 60]
+
+`--n-max` overrides the scenarios' most nodes per template (a smaller library where the full one cannot be built in
+time; the library key keeps it apart).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def plan_row(scn, rule: str, scale: float, label: str, method: str, engine: str,
 
 def headline(rows: list[dict]) -> list[dict]:
     """Cost of each vLLM and Homo plan ÷ the Coral-runtime plan's, per scenario, rule and availability, where both
-    meet demand."""
+    meet demand, with both solver statuses (a plan stopped at the time limit may be dearer than its optimum)."""
     out = []
     for r in rows:
         base = next((b for b in rows if b["scenario"] == r["scenario"] and b["rule"] == r["rule"]
@@ -59,9 +62,10 @@ def headline(rows: list[dict]) -> list[dict]:
         meets = all(x.get("worst_served", 0) >= 1 - 1e-6 and x.get("demand_scale", 0) >= 1 - 1e-9 for x in (r, base))
         ratio = r["usd_per_hour"] / base["usd_per_hour"] if meets else None
         out.append({"figure": f"{r['plan']} plan cost ÷ Coral-runtime plan cost, {r['scenario']}", "paper": None,
-                    "ours": ratio, "rule": r["rule"],
+                    "ours": ratio, "rule": r["rule"], "n_max": r.get("n_max"),
                     "availability": f"scenario file × {r['availability_scale']:g} (fixed demand)",
-                    "section": "vLLM plans", **({} if meets else {"note": r.get("error", "demand not met")[:160]})})
+                    "section": "vLLM plans", "statuses": [r.get("status"), base.get("status")],
+                    **({} if meets else {"note": r.get("error", "demand not met")[:160]})})
     return out
 
 
@@ -69,18 +73,20 @@ def main() -> None:
     ap = bench_parser(__doc__, methods="coral")
     ap.add_argument("--rules", default="slo,paper", help="comma-separated T̂ rules")
     ap.add_argument("--availability-scales", default="1,10", help="comma-separated availability factors")
+    ap.add_argument("--n-max", type=int, default=None, help="most nodes per template (default: the scenario's)")
     args = ap.parse_args()
     rows = []
     for name in names(args.scenarios):
         for rule in names(args.rules):
             scn = replace(load_scenario(name), t_hat_rule=rule)
+            scn = scn if args.n_max is None else replace(scn, n_max=args.n_max)
             t0 = time.perf_counter()
             templates = library_templates(scn)
             library_s = time.perf_counter() - t0
             for scale in (float(x) for x in names(args.availability_scales)):
                 for label, method, engine in PLANS:
                     rows.append({**plan_row(scn, rule, scale, label, method, engine, templates, args.time_limit_s),
-                                 "library_key": scn.library_key, "library_s": library_s})
+                                 "n_max": scn.n_max, "library_key": scn.library_key, "library_s": library_s})
                     print(" | ".join(cell(rows[-1].get(k)) for k in (
                         "scenario", "rule", "availability_scale", "plan", "status", "usd_per_hour", "worst_served",
                         "error")), flush=True)
