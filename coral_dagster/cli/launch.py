@@ -73,55 +73,40 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
     node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
     The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
-    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN, CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
+    State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN,
+    CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS)
     are read from this shell at launch and handed to SkyPilot as secrets, never written anywhere. A real run
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
-    from coral_dagster import paths
-    from coral_dagster.app.deployment import snapshot_prices
+    from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import plan_label
-    from coral_dagster.deploy import state
-    from coral_dagster.deploy.cost import deployment_cost
-    from coral_dagster.deploy.names import plan_tag
-    from coral_dagster.deploy.reconcile import plan_diff, reconcile, write_dry_run
     from coral_dagster.store import Store
 
     store = Store(db_path)
     plan = _load_plan(store, plan_ref, scenario, method)
-    plan_id, label = plan.plan_id, plan_label(plan)
-    prices, priced_from = snapshot_prices(store, plan)
-    cost = deployment_cost(plan, plan_id, prices, priced_from)
-    if dry_run:
-        diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
-        out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
-        dry = write_dry_run(diff, out)
-        actions = _actions(diff)
+    label = plan_label(plan)
+    done = deploy(store, plan, dry_run=dry_run, out=Path(out_dir) if out_dir else None,
+                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up)
+    if done.diff is not None and done.dry is not None:
+        diff, dry, actions = done.diff, done.dry, _actions(done.diff)
         if as_json:
-            emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True, "priced_from": priced_from,
-                       "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), "out": str(out),
-                       "yaml": [str(p) for p in dry.yaml_paths], "commands": list(dry.commands),
-                       "keep": list(diff.keep), "actions": _records(actions)})
+            emit_json({**done.as_dict(), "actions": _records(actions)})
             return
-        _echo_cost(plan, cost, priced_from)
+        _echo_cost(plan, done.cost, done.priced_from)
         if not diff.changes:
             click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
             return
         emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
                                    f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
-        click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {out}")
+        click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {done.out}")
         for line in dry.commands:
             click.echo(line)
         return
-
-    from coral_dagster.deploy.drain import CoordinatorDrainer
-    from coral_dagster.deploy.sky_adapter import SkyLauncher
-
-    report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
-                       prices, drain_timeout_s)
     if as_json:
-        emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict()})
+        emit_json(done.as_dict())
         return
-    _echo_cost(plan, cost, priced_from)
+    report = done.report
+    _echo_cost(plan, done.cost, done.priced_from)
     click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
                f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
     for message in report.messages:
