@@ -87,30 +87,32 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     label = plan_label(plan)
     done = deploy(store, plan, dry_run=dry_run, out=Path(out_dir) if out_dir else None,
                   drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up)
-    if done.diff is not None and done.dry is not None:
-        diff, dry, actions = done.diff, done.dry, _actions(done.diff)
+    report = done.report
+    if report is not None:
         if as_json:
-            emit_json({**done.as_dict(), "actions": _records(actions)})
+            emit_json(done.as_dict())
             return
         _echo_cost(plan, done.cost, done.priced_from)
-        if not diff.changes:
-            click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
-            return
-        emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
-                                   f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
-        click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {done.out}")
-        for line in dry.commands:
-            click.echo(line)
+        click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
+                   f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
+        for message in report.messages:
+            click.echo(f"  {message}")
         return
+    diff, dry = done.diff, done.dry
+    assert diff is not None and dry is not None  # a dry run's
+    actions = _actions(diff)
     if as_json:
-        emit_json(done.as_dict())
+        emit_json({**done.as_dict(), "actions": _records(actions)})
         return
-    report = done.report
     _echo_cost(plan, done.cost, done.priced_from)
-    click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
-               f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
-    for message in report.messages:
-        click.echo(f"  {message}")
+    if not diff.changes:
+        click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
+        return
+    emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
+                               f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
+    click.echo(f"# {len(dry.yaml_paths)} task YAML(s) in {done.out}")
+    for line in dry.commands:
+        click.echo(line)
 
 
 @click.command("status")
