@@ -11,11 +11,9 @@ SENSOR_SCENARIO = os.environ.get("CORAL_SCENARIO", "core")  # the scenario the s
 
 REFRESH_ASSETS = ("market_snapshot", "demand")
 REPLAN_ASSETS = ("allocation_plan", "plan_simulation", "deployment_specs")
-
-
-def scenario_run_config(scenario: str, assets=REPLAN_ASSETS) -> dict:
-    """Run config giving each of `assets` the scenario (by default the `replan` job's plan, simulate, deploy)."""
-    return {"ops": {name: {"config": {"scenario": scenario}} for name in assets}}
+#: The run tag the instance limits to one run in progress (`definitions.INSTANCE_YAML`): a re-plan can outlast
+#: the 6-minute schedule, and two at once would plan against the same running plan.
+REPLAN_TAG = {"coral/replan": "true"}
 
 
 refresh_inputs_job = dg.define_asset_job(
@@ -25,16 +23,17 @@ refresh_inputs_job = dg.define_asset_job(
 
 replan_job = dg.define_asset_job(
     "replan", selection=dg.AssetSelection.assets(*REPLAN_ASSETS),
-    description="Plan from the newest snapshot and demand, simulate the plan, and write its deployment.")
+    description="Plan from the newest snapshot and demand, simulate the plan, and write its deployment.",
+    tags=REPLAN_TAG)
 
 refresh_inputs_schedule = dg.ScheduleDefinition(
     name="refresh_inputs_every_6_min", job=refresh_inputs_job, cron_schedule="*/6 * * * *",
-    run_config=scenario_run_config(SENSOR_SCENARIO, REFRESH_ASSETS),
+    tags={"coral/scenario": SENSOR_SCENARIO},
     description="New market and demand snapshots every re-plan interval (the paper re-solves every 6 minutes).")
 
 replan_schedule = dg.ScheduleDefinition(
     name="replan_every_6_min", job=replan_job, cron_schedule="3-59/6 * * * *",
-    run_config=scenario_run_config(SENSOR_SCENARIO),
+    tags={"coral/scenario": SENSOR_SCENARIO},
     description="Re-plan every 6 minutes whatever changed (the sensor re-plans only when it pays).")
 
 
@@ -55,6 +54,6 @@ def reallocation_sensor(context: dg.SensorEvaluationContext, duckdb: CoralDuckDB
     context.update_cursor(key)
     if not decision.replan:
         return dg.SkipReason(f"plan still right for {key}")
-    return dg.RunRequest(run_key=f"replan:{key}", run_config=scenario_run_config(SENSOR_SCENARIO),
+    return dg.RunRequest(run_key=f"replan:{key}",
                          tags={"coral/scenario": SENSOR_SCENARIO, "coral/reasons": "; ".join(decision.reasons)[:500]})
 

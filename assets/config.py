@@ -1,11 +1,10 @@
-"""Run configuration shared by the assets: which scenario, how much availability, which demand mix."""
+"""Run configuration of the market asset (the scenario itself is the `scenario` resource)."""
 
 import dagster as dg
 from pydantic import Field
 
 
-class ScenarioConfig(dg.Config):
-    """The scenario a run plans for."""
+class MarketConfig(dg.Config):
+    """How much of the market's availability the snapshot offers."""
 
-    scenario: str = Field(default="core", description="Bundled scenario: core, extended or helix.")
     availability_scale: float = Field(default=1.0, description="Multiply every region's node availability.")

@@ -1,23 +1,29 @@
-"""Deployment asset: the newest plan as SkyPilot tasks, one per node, reconciled against what runs."""
+"""Deployment asset: the simulated and checked plan as SkyPilot tasks, one per node, reconciled against what runs."""
 
 import dagster as dg
 
-from assets.config import ScenarioConfig
+from assets.metadata import recorded_plan_id
+from coral_dagster.errors import CoralError
 from resources.launcher import SkyPilotLauncher
 from resources.store import CoralDuckDB
 
 
 @dg.asset(group_name="deployment", kinds={"skypilot", "duckdb"}, deps=["allocation_plan", "plan_simulation"])
-def deployment_specs(config: ScenarioConfig, duckdb: CoralDuckDB, launcher: SkyPilotLauncher) -> dg.MaterializeResult:
-    """SkyPilot tasks for the scenario's latest Coral plan, priced from its own market snapshot (written, or launched
-    when the launcher is not a dry run); the deployment's full cost sits beside the plan's. Not materialized when
-    `plan_meets_demand` or `slo_attainment_meets_target` (blocking checks upstream) fails."""
-    from coral_dagster.app.deployment import deploy
-    from coral_dagster.app.plans import latest_plan
+def deployment_specs(context: dg.AssetExecutionContext, duckdb: CoralDuckDB,
+                     launcher: SkyPilotLauncher) -> dg.MaterializeResult:
+    """SkyPilot tasks for the plan `plan_simulation` simulated (and `allocation_plan` made), priced from its own
+    market snapshot (written, or launched when the launcher is not a dry run); the deployment's full cost sits
+    beside the plan's. Not materialized when `plan_meets_demand` or `slo_attainment_meets_target` (blocking checks
+    upstream) fails."""
+    from coral_dagster.allocation.storage import load_plan
 
+    plan_id, planned = recorded_plan_id(context, "plan_simulation"), recorded_plan_id(context, "allocation_plan")
+    if plan_id != planned:
+        raise CoralError(f"plan_simulation checked plan {plan_id}, but allocation_plan has since made {planned}.",
+                         "materialize plan_simulation again (the replan job does both), then deployment_specs.")
     store = duckdb.store()
-    plan = latest_plan(store, config.scenario)
-    report = deploy(store, plan, launcher)
+    plan = load_plan(store, plan_id)
+    report = launcher.deploy(store, plan).as_dict()
     commands = report.get("commands", [])
     return dg.MaterializeResult(metadata={
         "plan_id": plan.plan_id,

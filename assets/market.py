@@ -2,18 +2,19 @@
 
 import dagster as dg
 
-from assets.config import ScenarioConfig
+from assets.config import MarketConfig
 from assets.metadata import frame_table, row_count
-from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.catalog.store import append_snapshot
 from resources.market import MarketFeed
+from resources.scenario import CoralScenario
 from resources.store import CoralDuckDB
 
 
 @dg.asset(group_name="market", kinds={"duckdb", "skypilot"}, deps=["catalogs"])
-def market_snapshot(config: ScenarioConfig, duckdb: CoralDuckDB, market: MarketFeed) -> dg.MaterializeResult:
+def market_snapshot(config: MarketConfig, scenario: CoralScenario, duckdb: CoralDuckDB,
+                    market: MarketFeed) -> dg.MaterializeResult:
     """Prices and availability per (region, node configuration) for the scenario, appended to `market_snapshots`."""
-    snap = market.snapshot(load_scenario(config.scenario), config.availability_scale)
+    snap = market.snapshot(scenario.load(), config.availability_scale)
     rows = append_snapshot(duckdb.store(), snap)
     table = snap.to_frame()[["region", "node", "instance_type", "usd_per_hour", "spot_usd_per_hour",
                              "available_nodes"]]

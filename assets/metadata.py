@@ -1,4 +1,4 @@
-"""Dagster metadata from domain values: typed tables, and the plan id a check reads off the materialization it checks."""
+"""Dagster metadata from domain values: typed tables, and the plan id read off the materialization that recorded it."""
 
 from __future__ import annotations
 
@@ -31,11 +31,13 @@ def row_count(n: int) -> dict[str, dg.IntMetadataValue]:
     return {"dagster/row_count": dg.MetadataValue.int(int(n))}
 
 
-def checked_plan_id(context: dg.AssetCheckExecutionContext, asset: str) -> str:
-    """The `plan_id` recorded by the newest materialization of `asset`: the plan the check is about."""
+def recorded_plan_id(context: dg.AssetExecutionContext | dg.AssetCheckExecutionContext, asset: str) -> str:
+    """The `plan_id` the newest materialization of `asset` recorded: for a downstream asset the plan its upstream
+    made (in one run of the pipeline, that run's), for a check the plan of the materialization it checks; never
+    the store's latest plan, which another command may have written since."""
     event = context.instance.get_latest_materialization_event(dg.AssetKey(asset))
     entry = event.asset_materialization.metadata.get("plan_id") if event and event.asset_materialization else None
     if entry is None:
-        raise CoralError(f"{asset} has no materialization recording a plan_id to check.",
-                         f"materialize {asset} (with its upstream assets) before running its checks.")
+        raise CoralError(f"{asset} has no materialization recording a plan_id.",
+                         f"materialize {asset} (with its upstream assets) first.")
     return str(entry.value)

@@ -4,9 +4,9 @@ import dagster as dg
 import pandas as pd
 from pydantic import Field
 
-from assets.metadata import checked_plan_id, frame_table, row_count
+from assets.metadata import frame_table, recorded_plan_id, row_count
 from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S
-from coral_dagster.catalog.scenarios import load_scenario
+from resources.scenario import CoralScenario
 from resources.solver import SolverSettings
 from resources.store import CoralDuckDB
 
@@ -16,7 +16,6 @@ BASELINES = ("homo", "homo-ilp", "cauchy")
 class DemandConfig(dg.Config):
     """Where demand comes from."""
 
-    scenario: str = Field(default="core", description="Bundled scenario.")
     demand_mix: str = Field(default="uniform", description="uniform, large-heavy or small-heavy.")
     follow_trace: bool = Field(default=False, description="Scale rates by the traces' current 6-minute window.")
 
@@ -24,38 +23,39 @@ class DemandConfig(dg.Config):
 class PlanConfig(dg.Config):
     """How to plan."""
 
-    scenario: str = Field(default="core", description="Bundled scenario.")
     scarcity: str = Field(default="", description="'' (fail when demand cannot be met), 'scale' or 'fair'.")
     closed_loop: bool = Field(default=True, description="Simulate the plan on each model's own trace and re-plan "
                               "with more capacity for models below their attainment target (Coral plan only).")
     loop_rounds: int = Field(default=3, description="Most plans the closed loop makes.")
-    loop_window_s: float = Field(default=ATTAINMENT_WINDOW_S, description="Seconds of traffic per attainment window; each "
+    loop_window_s: float = Field(default=ATTAINMENT_WINDOW_S,
+                                 description="Seconds of traffic per attainment window; each "
                                  "closed-loop round checks the worst window of every model's trace loop.")
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "python"}, deps=["catalogs"])
-def demand(config: DemandConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
+def demand(config: DemandConfig, scenario: CoralScenario, duckdb: CoralDuckDB) -> dg.MaterializeResult:
     """Request rate per model (from the scenario and its traces), appended to `demand_snapshots`."""
     from coral_dagster.app.rounds import demand_rates, store_demand
 
-    scenario = load_scenario(config.scenario)
-    rates = demand_rates(scenario, config.demand_mix, config.follow_trace)
-    demand_id = store_demand(duckdb.store(), scenario, rates, config.demand_mix)
-    return dg.MaterializeResult(metadata={"demand_id": demand_id,
-                                          "rate_req_s": dg.MetadataValue.json({m: round(r, 3) for m, r in rates.items()})})
+    scn = scenario.load()
+    rates = demand_rates(scn, config.demand_mix, config.follow_trace)
+    demand_id = store_demand(duckdb.store(), scn, rates, config.demand_mix)
+    rounded = {m: round(r, 3) for m, r in rates.items()}
+    return dg.MaterializeResult(metadata={"demand_id": demand_id, "rate_req_s": dg.MetadataValue.json(rounded)})
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "pulp"}, deps=["market_snapshot", "demand", "template_library"])
-def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, duckdb: CoralDuckDB,
-                    solver: SolverSettings) -> dg.MaterializeResult:
+def allocation_plan(context: dg.AssetExecutionContext, config: PlanConfig, scenario: CoralScenario,
+                    duckdb: CoralDuckDB, solver: SolverSettings) -> dg.MaterializeResult:
     """The minimum-cost plan (templates × regions) meeting demand within availability, with churn priced in."""
     from coral_dagster.app.rounds import plan_by_model_region, plan_round
     from coral_dagster.plots import cost_over_time_png, markdown_image
 
     store = duckdb.store()
-    rnd = plan_round(store, load_scenario(config.scenario), "coral", scarcity=config.scarcity or None,
-                     time_limit_s=solver.time_limit_s, run_id=context.run_id, closed_loop=config.closed_loop,
-                     loop_rounds=config.loop_rounds, loop_window_s=config.loop_window_s, max_nodes=solver.max_nodes)
+    rnd = plan_round(store, scenario.load(), "coral", scarcity=config.scarcity or None,
+                     time_limit_s=solver.time_limit_s, run_id=context.run.run_id, closed_loop=config.closed_loop,
+                     loop_rounds=config.loop_rounds, loop_window_s=config.loop_window_s,
+                     max_nodes=solver.max_nodes)
     plan = rnd.plan
     table = plan_by_model_region(plan).round(2)
     history = store.query("SELECT * FROM plan_history WHERE scenario_key = ?", [plan.scenario_key])
@@ -83,7 +83,7 @@ def plan_meets_demand(context: dg.AssetCheckExecutionContext, duckdb: CoralDuckD
     from coral_dagster.app.plans import plan_problem
 
     store = duckdb.store()
-    plan = load_plan(store, checked_plan_id(context, "allocation_plan"))
+    plan = load_plan(store, recorded_plan_id(context, "allocation_plan"))
     problems = plan_violations(plan, plan_problem(store, plan), require_demand=plan.status == "optimal")
     what = f"{plan.method} plan {plan.plan_id} of {plan.scenario}"
     description = (f"{what} meets demand within availability." if not problems else
@@ -93,22 +93,22 @@ def plan_meets_demand(context: dg.AssetCheckExecutionContext, duckdb: CoralDuckD
 
 
 @dg.asset(group_name="planning", kinds={"duckdb", "pulp"}, deps=["allocation_plan"])
-def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, duckdb: CoralDuckDB,
-                   solver: SolverSettings) -> dg.MaterializeResult:
-    """Homo, Homo-ILP and Cauchy on exactly the inputs of the Coral plan, stored beside it."""
-    from coral_dagster.app.plans import latest_plan
+def baseline_plans(context: dg.AssetExecutionContext, config: PlanConfig, scenario: CoralScenario,
+                   duckdb: CoralDuckDB, solver: SolverSettings) -> dg.MaterializeResult:
+    """Homo, Homo-ILP and Cauchy on exactly the inputs of the Coral plan `allocation_plan` made, stored beside it."""
+    from coral_dagster.allocation.storage import load_plan
     from coral_dagster.app.rounds import plan_round
     from coral_dagster.plots import cost_by_model_png, markdown_image
 
     from coral_dagster.errors import InfeasibleError
 
-    store, scenario = duckdb.store(), load_scenario(config.scenario)
-    plans = {"coral": latest_plan(store, scenario)}
+    store, scn = duckdb.store(), scenario.load()
+    plans = {"coral": load_plan(store, recorded_plan_id(context, "allocation_plan"))}
     failed = {}
     for method in BASELINES:
         try:
-            plans[method] = plan_round(store, scenario, method, scarcity=config.scarcity or None,
-                                       time_limit_s=solver.time_limit_s, run_id=context.run_id,
+            plans[method] = plan_round(store, scn, method, scarcity=config.scarcity or None,
+                                       time_limit_s=solver.time_limit_s, run_id=context.run.run_id,
                                        max_nodes=solver.max_nodes).plan
         except InfeasibleError as exc:  # a baseline that cannot serve the demand is a result, not a failure
             context.log.warning("%s: %s", method, exc)

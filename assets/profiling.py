@@ -3,7 +3,7 @@
 import dagster as dg
 from pydantic import Field
 
-from assets.config import ScenarioConfig
+from resources.scenario import CoralScenario
 from resources.store import CoralDuckDB
 
 
@@ -18,7 +18,8 @@ class ProfilingRunConfig(dg.Config):
 
 @dg.asset(group_name="profiling", kinds={"torch", "duckdb"}, deps=["catalogs"])
 def profiling_run(config: ProfilingRunConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
-    """Measure per-layer prefill and decode latency with torch on a random-weight decoder; append to `profiling_runs`."""
+    """Measure per-layer prefill and decode latency with torch on a random-weight decoder; append to
+    `profiling_runs`."""
     from coral_dagster.profiles.torch_run import RunConfig, run_profile
 
     table, notes = run_profile(RunConfig.for_device(config.model, config.node, config.device, layers=config.layers))
@@ -30,11 +31,11 @@ def profiling_run(config: ProfilingRunConfig, duckdb: CoralDuckDB) -> dg.Materia
 
 
 @dg.asset(group_name="profiling", kinds={"duckdb", "python"}, deps=["catalogs"])
-def profiles(config: ScenarioConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
+def profiles(scenario: CoralScenario, duckdb: CoralDuckDB) -> dg.MaterializeResult:
     """Per-layer latency by batch and memory of every (model, node) of the scenario, with each number's source."""
     from coral_dagster.profiles.store import store_scenario_profiles
 
-    table = store_scenario_profiles(duckdb.store(), config.scenario)
+    table = store_scenario_profiles(duckdb.store(), scenario.name)
     by_source = table.groupby("source").size().rename("rows").reset_index()
     return dg.MaterializeResult(metadata={
         "rows": dg.MetadataValue.int(len(table)),

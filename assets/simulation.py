@@ -1,16 +1,15 @@
-"""Simulation asset: the newest plan served request by request under the scenario's traces."""
+"""Simulation asset: the plan `allocation_plan` made, served request by request under the scenario's traces."""
 
 import dagster as dg
 from pydantic import Field
 
-from assets.metadata import checked_plan_id, frame_table, row_count
+from assets.metadata import frame_table, recorded_plan_id, row_count
 from resources.store import CoralDuckDB
 
 
 class SimulationConfig(dg.Config):
     """How long and how the plan is simulated."""
 
-    scenario: str = Field(default="core", description="Bundled scenario.")
     duration_s: float = Field(default=120.0, description="Seconds of traffic to simulate.")
     seed: int = Field(default=0, description="Seed of the arrival process.")
     attainment_target: float = Field(default=0.95, description="The SLO attainment the check requires.")
@@ -19,15 +18,15 @@ class SimulationConfig(dg.Config):
 
 
 @dg.asset(group_name="simulation", kinds={"duckdb", "python"}, deps=["allocation_plan"])
-def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.MaterializeResult:
-    """TTFT, TPOT, SLO attainment and goodput per model of the scenario's latest Coral plan, appended to
+def plan_simulation(context: dg.AssetExecutionContext, config: SimulationConfig,
+                    duckdb: CoralDuckDB) -> dg.MaterializeResult:
+    """TTFT, TPOT, SLO attainment and goodput per model of the plan `allocation_plan` recorded, appended to
     `simulations`."""
-    from coral_dagster.app.plans import latest_plan
     from coral_dagster.app.simulation import simulate_plan_id
     from coral_dagster.plots import markdown_image
 
     store = duckdb.store()
-    plan_id = latest_plan(store, config.scenario).plan_id
+    plan_id = recorded_plan_id(context, "allocation_plan")
     result, table = simulate_plan_id(store, plan_id, duration_s=config.duration_s, seed=config.seed,
                                      attainment_target=config.attainment_target, rate_scale=config.rate_scale)
     by_model = table.drop(columns=["plan_id", "simulated_at"]).round(3)
@@ -46,7 +45,7 @@ def plan_simulation(config: SimulationConfig, duckdb: CoralDuckDB) -> dg.Materia
 def slo_attainment_meets_target(context: dg.AssetCheckExecutionContext, duckdb: CoralDuckDB) -> dg.AssetCheckResult:
     from coral_dagster.app.simulation import plan_simulation as simulated
 
-    plan_id = checked_plan_id(context, "plan_simulation")
+    plan_id = recorded_plan_id(context, "plan_simulation")
     rows = simulated(duckdb.store(), plan_id)
     short = rows[rows["attainment"] < rows["attainment_target"]]
     if short.empty:

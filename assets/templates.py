@@ -30,20 +30,27 @@ def scenario_partitions(scenario: str) -> list[str]:
 
 @dg.asset(group_name="templates", partitions_def=template_partitions, kinds={"duckdb", "python"}, deps=["profiles"])
 def template_library(context: dg.AssetExecutionContext, duckdb: CoralDuckDB) -> dg.MaterializeResult:
-    """Every non-dominated template of one model in one scenario (prefill, decode, aggregated), in `templates`."""
+    """Every non-dominated template of each model of a run's partitions (one per scenario and model; `coral run`
+    builds a scenario's models in one run), prefill, decode and aggregated, in `templates`."""
+    import pandas as pd
+
     from coral_dagster.app.rounds import store_model_templates
     from coral_dagster.templates.library import build_library_with_stats
 
-    name, model = context.partition_key.split("/", 1)
-    scenario = load_scenario(name)
-    templates, stats = build_library_with_stats(scenario, models=[model])
-    rows = store_model_templates(duckdb.store(), scenario, model, templates)
+    rows, build_s, per_phase = 0, 0.0, []
+    for key in context.partition_keys:
+        name, model = key.split("/", 1)
+        scenario = load_scenario(name)
+        templates, stats = build_library_with_stats(scenario, models=[model])
+        rows += store_model_templates(duckdb.store(), scenario, model, templates)
+        build_s += stats.total_s
+        per_phase.append(stats.as_frame().assign(partition=key))
     return dg.MaterializeResult(metadata={
-        "scenario": scenario.name,
+        "partitions": dg.MetadataValue.json(list(context.partition_keys)),
         "templates": dg.MetadataValue.int(rows),
         **row_count(rows),
-        "build_s": dg.MetadataValue.float(round(stats.total_s, 2)),
-        "per_phase": dg.MetadataValue.md(stats.as_frame().to_markdown(index=False)),
+        "build_s": dg.MetadataValue.float(round(build_s, 2)),
+        "per_phase": dg.MetadataValue.md(pd.concat(per_phase).to_markdown(index=False)),
     })
 
 

@@ -14,7 +14,7 @@ from dagster._core.errors import DagsterAssetCheckFailedError
 from assets import automation, catalog, deployment, market, planning, profiling, simulation, templates
 from coral_dagster.errors import CoralError
 from coral_dagster.paths import REPO_ROOT, default_db_path
-from resources import BundledMarketFeed, CoralDuckDB, SkyPilotLauncher, SolverSettings
+from resources import BundledMarketFeed, CoralDuckDB, CoralScenario, SkyPilotLauncher, SolverSettings
 
 ASSET_MODULES = [catalog, market, profiling, templates, planning, simulation, deployment]
 
@@ -25,24 +25,43 @@ def _database() -> str | dg.EnvVar:
 
 
 RESOURCES = {
+    "scenario": CoralScenario(name=automation.SENSOR_SCENARIO),
     "duckdb": CoralDuckDB(database=_database()),
     "market": BundledMarketFeed(),
     "solver": SolverSettings(),
     "launcher": SkyPilotLauncher(),
 }
 
+UPSTREAM = ["catalogs", "market_snapshot", "profiles", "demand"]
+DOWNSTREAM = ["allocation_plan", "baseline_plans", "plan_simulation", "deployment_specs"]
+PIPELINE = UPSTREAM + ["template_library"] + DOWNSTREAM
+
+#: `coral run`: every pipeline asset and its checks in one run (the template library over the scenario's
+#: partitions, as one partition range).
+pipeline_job = dg.define_asset_job(
+    "coral_pipeline", selection=dg.AssetSelection.assets(*PIPELINE),
+    description="Catalogs, market, profiles, demand, the scenario's template library, the plan, its baselines, "
+                "its simulation and its deployment, in one run (what `coral run` launches).")
+
 defs = dg.Definitions(
     assets=dg.load_assets_from_modules(ASSET_MODULES),
     asset_checks=dg.load_asset_checks_from_modules(ASSET_MODULES),
-    jobs=[automation.refresh_inputs_job, automation.replan_job],
+    jobs=[pipeline_job, automation.refresh_inputs_job, automation.replan_job],
     schedules=[automation.refresh_inputs_schedule, automation.replan_schedule],
     sensors=[automation.reallocation_sensor],
     resources=RESOURCES,
 )
 
-UPSTREAM = ["catalogs", "market_snapshot", "profiles", "demand"]
-DOWNSTREAM = ["allocation_plan", "baseline_plans", "plan_simulation", "deployment_specs"]
-PIPELINE = UPSTREAM + ["template_library"] + DOWNSTREAM
+#: The instance settings `coral run` writes to a new `dagster_home()` (`dagster dev` reads them from there): no
+#: telemetry, and at most one re-plan run in progress (the replan job's runs carry `automation.REPLAN_TAG`).
+INSTANCE_YAML = """# Created by `coral run`; see README (Dagster).
+telemetry:
+  enabled: false
+concurrency:
+  runs:
+    tag_concurrency_limits:
+""" + "".join(f"      - key: \"{k}\"\n        value: \"{v}\"\n        limit: 1\n"
+              for k, v in automation.REPLAN_TAG.items())
 
 
 def dagster_home() -> Path:
@@ -73,64 +92,54 @@ class PipelineRun:
 def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment_target: float = 0.95,
                          rate_scale: float = 1.0,
                          closed_loop: bool = True, on_step=None, log_level: str = "WARNING") -> PipelineRun:
-    """Materialize every asset for one scenario in order (templates one partition per model), in process, recording
-    the runs in the instance at `dagster_home()`. A failed blocking check stops what depends on it; an asset that
-    raises `CoralError` stops the pipeline with that error. `on_step(name)` is told each step as it starts;
-    Dagster's console log shows `log_level` and above."""
-    from assets.automation import scenario_run_config
+    """Run the `coral_pipeline` job for one scenario, in process: one run, tagged with the scenario, recorded in the
+    instance at `dagster_home()`, its template library over the scenario's partitions. A failed blocking check
+    stops what depends on it; an asset that raises `CoralError` stops the run with that error. `on_step(text)` is
+    told the run as it starts; Dagster's console log shows `log_level` and above."""
     from assets.templates import scenario_partitions
 
     partitions = scenario_partitions(scenario)
-    config = scenario_run_config(scenario, UPSTREAM[1:] + DOWNSTREAM)["ops"]
-    config["plan_simulation"]["config"].update(duration_s=simulate_s, attainment_target=attainment_target,
-                                               rate_scale=rate_scale)
-    config["allocation_plan"]["config"].update(closed_loop=closed_loop)
-    every = list(defs.assets) + list(defs.asset_checks)
     home = dagster_home()
-    if not (home / "dagster.yaml").exists():  # an instance of our own making: say so, and without telemetry
+    if not (home / "dagster.yaml").exists():  # an instance of our own making: say so, without telemetry
         home.mkdir(parents=True, exist_ok=True)
-        (home / "dagster.yaml").write_text("# Created by `coral run`; see README (Dagster).\ntelemetry:\n  enabled: false\n")
-    resources = {**defs.resources, "duckdb": CoralDuckDB(database=str(default_db_path()))}  # $CORAL_DB as of now
-    run_ids: list[str] = []
-
-    def run(instance: dg.DagsterInstance, selection: list[str], partition: str | None = None) -> bool:
-        if on_step:
-            on_step(f"{', '.join(selection)}" + (f" [{partition}]" if partition else ""))
-        tag = uuid.uuid4().hex
-        ops = {name: config[name] for name in selection if name in config}
+        (home / "dagster.yaml").write_text(INSTANCE_YAML)
+    # $CORAL_DB as of now, and the scenario asked for.
+    resources = {**(defs.resources or {}), "duckdb": CoralDuckDB(database=str(default_db_path())),
+                 "scenario": CoralScenario(name=scenario)}
+    job = dg.Definitions(assets=defs.assets, asset_checks=defs.asset_checks, jobs=[pipeline_job],
+                         resources=resources).resolve_job_def(pipeline_job.name)
+    ops = {"plan_simulation": {"config": {"duration_s": simulate_s, "attainment_target": attainment_target,
+                                          "rate_scale": rate_scale}},
+           "allocation_plan": {"config": {"closed_loop": closed_loop}}}
+    tag = uuid.uuid4().hex
+    tags = {"coral/scenario": scenario, "coral/pipeline": tag,
+            "dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}
+    if on_step:
+        on_step(f"{pipeline_job.name} [{scenario}: {', '.join(PIPELINE)}]")
+    with dg.DagsterInstance.from_config(str(home)) as instance:
         try:
-            dg.materialize(every, selection=selection, partition_key=partition, resources=resources,
-                           instance=instance, tags={"coral/scenario": scenario, "coral/pipeline": tag},
-                           run_config={"ops": ops, "loggers": {"console": {"config": {"log_level": log_level}}}})
-            blocked = False
+            job.execute_in_process(instance=instance, tags=tags, run_config={
+                "ops": ops, "loggers": {"console": {"config": {"log_level": log_level}}}})
         except dg.DagsterExecutionStepExecutionError as exc:
             if isinstance(exc.user_exception, CoralError):
                 raise exc.user_exception from exc
             raise
         except DagsterAssetCheckFailedError:
-            blocked = True
-        run_ids.append(instance.get_runs(filters=dg.RunsFilter(tags={"coral/pipeline": tag}), limit=1)[0].run_id)
-        return not blocked
-
-    with dg.DagsterInstance.from_config(str(home)) as instance:
-        if run(instance, UPSTREAM):
-            for partition in partitions:
-                run(instance, ["template_library"], partition=partition)
-            run(instance, DOWNSTREAM)
-        return _recorded(instance, run_ids)
+            pass  # a blocking check failed: what depends on it did not run, and `_recorded` shows which
+        run_id = instance.get_runs(filters=dg.RunsFilter(tags={"coral/pipeline": tag}), limit=1)[0].run_id
+        return _recorded(instance, [run_id])
 
 
 def _recorded(instance: dg.DagsterInstance, run_ids: list[str]) -> PipelineRun:
     """The check evaluations and materialization metadata the runs wrote to the instance."""
-    checks, metadata = [], {}
+    checks: list[dg.AssetCheckEvaluation] = []
+    metadata: dict[str, Mapping[str, dg.MetadataValue]] = {}
     for run_id in run_ids:
         for entry in instance.all_logs(run_id):
-            event = entry.dagster_event
-            if event is None:
-                continue
-            if event.event_type == dg.DagsterEventType.ASSET_CHECK_EVALUATION:
-                checks.append(event.event_specific_data)
-            elif event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION:
-                mat = event.event_specific_data.materialization
+            data = entry.dagster_event.event_specific_data if entry.dagster_event else None
+            if isinstance(data, dg.AssetCheckEvaluation):
+                checks.append(data)
+            elif entry.asset_materialization is not None:
+                mat = entry.asset_materialization
                 metadata[mat.asset_key.to_user_string()] = dict(mat.metadata)
     return PipelineRun(tuple(run_ids), tuple(checks), metadata)

@@ -1,4 +1,5 @@
-"""The SkyPilot launcher as a Dagster resource: dry-run (write task YAMLs) by default, real launches when asked."""
+"""How the deployment asset deploys (`coral_dagster.app.deployment.deploy`): dry run (task YAMLs) by default, real
+launches through SkyPilot when asked."""
 
 from pathlib import Path
 
@@ -9,29 +10,16 @@ from coral_dagster import paths
 
 
 class SkyPilotLauncher(dg.ConfigurableResource):
-    """Reconciles the running deployment to a plan through SkyPilot; `dry_run` only writes the tasks."""
+    """Settings of the deployment asset's SkyPilot reconcile; `dry_run` only writes the tasks."""
 
     dry_run: bool = Field(default=True, description="Write YAMLs and commands; launch nothing.")
-    out_dir: str = Field(default=str(paths.REPO_ROOT / "out" / "deploy"), description="Where task YAMLs go.")
+    out_dir: str = Field(default=str(paths.REPO_ROOT / "out" / "deploy"),
+                         description="Where task YAMLs go (one folder per plan under it).")
     drain_timeout_s: float = Field(default=600.0, description="Seconds a removed instance may drain.")
 
-    def deploy(self, store, plan, prices) -> dict:
-        """Dry run: the diff against the recorded deployment, as YAMLs and commands. Otherwise: reconcile.
-        `prices` are the rows of the plan's own market snapshot."""
-        from coral_dagster.deploy import state
-        from coral_dagster.deploy.names import plan_tag
-        from coral_dagster.deploy.dry_run import write_dry_run
-        from coral_dagster.deploy.reconcile import plan_diff, reconcile
+    def deploy(self, store, plan):
+        """`app.deployment.deploy` with these settings."""
+        from coral_dagster.app.deployment import default_out, deploy
 
-        plan_id = plan.plan_id
-        if self.dry_run:
-            diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
-            dry = write_dry_run(diff, Path(self.out_dir) / plan_tag(plan_id))
-            return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "script": str(dry.script),
-                    "commands": list(dry.commands),
-                    "launch": len(diff.nodes_to_launch()), "remove": len(diff.remove), "keep": len(diff.keep)}
-        from coral_dagster.deploy.drain import CoordinatorDrainer
-        from coral_dagster.deploy.sky_adapter import SkyLauncher
-
-        return reconcile(plan, plan_id, store, SkyLauncher(), CoordinatorDrainer(), prices,
-                         self.drain_timeout_s).as_dict()
+        return deploy(store, plan, dry_run=self.dry_run, out=default_out(plan.plan_id, Path(self.out_dir)),
+                      drain_timeout_s=self.drain_timeout_s)

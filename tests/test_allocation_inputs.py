@@ -227,6 +227,7 @@ def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
     assert shown.exit_code == 0 and "simulated" in shown.output and "coral" in shown.output
 
 
+@pytest.mark.slow
 def test_cli_bench_allocation_reports_cost_at_equal_attainment_beside_fixed_demand(tmp_path, monkeypatch):
     """`coral bench allocation --settings attainment`: per method the fixed-demand plan (the old rule, the same as
     `make_plan` at fixed demand) and the sized one (the closed loop's, never cheaper: it serves the burst factors on

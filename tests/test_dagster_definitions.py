@@ -64,9 +64,7 @@ def test_sensor_skips_until_inputs_exist_then_requests_one_run_per_new_input(tmp
     assert request.run_key.startswith("replan:core-") and "no plan yet" in request.tags["coral/reasons"]
     replan = defs.resolve_job_def("replan")
     assert dg.validate_run_config(replan, request.run_config)
-    assets = {k.to_user_string() for k in replan.asset_layer.executable_asset_keys}
-    assert {op: cfg["config"]["scenario"] for op, cfg in request.run_config["ops"].items()} == dict.fromkeys(
-        assets, "core")
+    assert request.tags["coral/scenario"] == "core" and defs.resources["scenario"].name == "core"
 
     again = reallocation_sensor(_context(path, cursor=ctx.cursor))
     assert isinstance(again, dg.SkipReason) and "already evaluated" in again.skip_message
@@ -104,3 +102,25 @@ def test_coral_run_records_into_the_project_dagster_home_by_default_which_git_ig
     assert ignored.returncode == 0
     monkeypatch.setenv("DAGSTER_HOME", str(REPO_ROOT / "elsewhere"))
     assert dagster_home() == REPO_ROOT / "elsewhere"
+
+
+def test_the_scenario_is_one_resource_and_no_asset_config_names_it():
+    """Which scenario a run plans for is the `scenario` resource alone: no asset's config has a scenario field."""
+    graph = defs.get_repository_def().asset_graph
+    configured = {node.key.to_user_string(): set(getattr(node.assets_def.op.config_field.config_type, "fields", {}))
+                  for node in graph.asset_nodes if node.assets_def.op.config_field is not None}
+    assert {"allocation_plan", "plan_simulation", "demand", "market_snapshot"} <= set(configured)
+    assert {name for name, fields in configured.items() if "scenario" in fields} == set()
+
+
+def test_the_replan_job_is_limited_to_one_run_in_progress(tmp_path):
+    """The instance `coral run` creates limits runs carrying the replan job's tag to one; the job carries it."""
+    from assets.automation import REPLAN_TAG
+    from coral_dagster.definitions import INSTANCE_YAML
+
+    (tmp_path / "dagster.yaml").write_text(INSTANCE_YAML)
+    with dg.DagsterInstance.from_config(str(tmp_path)) as instance:
+        limits = instance.get_concurrency_config().run_queue_config.tag_concurrency_limits
+    (key, value), = REPLAN_TAG.items()
+    assert [(lim["key"], lim.get("value"), lim["limit"]) for lim in limits] == [(key, value, 1)]
+    assert defs.resolve_job_def("replan").tags.items() >= REPLAN_TAG.items()

@@ -120,13 +120,20 @@ def test_deployment_specs_asset_records_the_full_cost_as_float_metadata(store, t
     import dagster as dg
 
     from assets.deployment import deployment_specs
+    from coral_dagster.errors import CoralError
     from resources.launcher import SkyPilotLauncher
     from resources.store import CoralDuckDB
 
     p = plan((QWEN, "aws:us-east-2", 1), (VLLM, "aws:us-east-2", 1))
-    _store_on_snapshot(store, p, 2.0)
-    result = dg.materialize([deployment_specs], resources={
-        "duckdb": CoralDuckDB(database=str(store.path)), "launcher": SkyPilotLauncher(out_dir=str(tmp_path))})
+    plan_id = _store_on_snapshot(store, p, 2.0)
+    _store_on_snapshot(store, p, 5.0)  # a newer plan: deployment takes the recorded one, not the latest
+    resources = {"duckdb": CoralDuckDB(database=str(store.path)), "launcher": SkyPilotLauncher(out_dir=str(tmp_path))}
+    with dg.DagsterInstance.ephemeral() as instance:
+        with pytest.raises(CoralError, match="plan_simulation has no materialization recording a plan_id"):
+            dg.materialize([deployment_specs], resources=resources, instance=instance)
+        for asset in ("allocation_plan", "plan_simulation"):
+            instance.report_runless_asset_event(dg.AssetMaterialization(asset, metadata={"plan_id": plan_id}))
+        result = dg.materialize([deployment_specs], resources=resources, instance=instance)
     assert result.success
     (event,) = result.asset_materializations_for_node("deployment_specs")
     meta = event.metadata

@@ -527,13 +527,12 @@ def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):
     from coral_dagster.app.deployment import deploy
     from coral_dagster.deploy.reconcile import plan_diff
     from coral_dagster.allocation.storage import load_plan
-    from resources.launcher import SkyPilotLauncher
 
     rows = PRICES.set_index(["region", "node"]).usd_per_hour
     bundled = sum(i.count * k * rows[(i.region, str(n))] for i in P1.instances for n, k in i.template.nodes.counts)
     for scale in (1.0, 3.0):
         plan = load_plan(store, _store_on_snapshot(store, P1, scale))
-        report = deploy(store, plan, SkyPilotLauncher(out_dir=str(tmp_path / f"x{scale:g}")))
+        report = deploy(store, plan, out=tmp_path / f"x{scale:g}").as_dict()
         assert report["plan_id"] == plan.plan_id
         assert report["gpu_usd_per_hour"] == pytest.approx(bundled * scale, rel=1e-6)
         assert report["plan_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour, rel=1e-6)

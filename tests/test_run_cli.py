@@ -3,6 +3,7 @@ baselines, failed checks as sentences and a non-zero exit, and every run recorde
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import Counter
 
@@ -10,6 +11,7 @@ import dagster as dg
 import pytest
 from click.testing import CliRunner
 
+from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.cli.main import main
 
 PRICES_LOGGER = "coral_dagster.catalog.prices"
@@ -117,3 +119,52 @@ def test_run_summary_names_the_plan_compares_it_and_shows_every_baseline(two_run
         for method in ("homo", "homo-ilp", "cauchy"):
             ids = stored.loc[stored["method"] == method, "plan_id"]
             assert (ids.iloc[0] in result.stdout) if len(ids) else (f"{method} cannot meet demand" in result.stdout)
+
+
+@pytest.mark.slow
+def test_each_coral_run_is_one_named_run_tagged_with_its_scenario_whose_assets_share_one_plan(two_runs):
+    """One `coral_pipeline` run per `coral run` (not one run per step), tagged with the scenario; downstream assets
+    and checks record the plan id the run's `allocation_plan` made, and no deprecation warning is logged."""
+    tmp, store, runs = two_runs
+    with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+        records = instance.get_runs()
+        assert [(r.job_name, r.tags["coral/scenario"]) for r in records] == [("coral_pipeline", "core")] * len(runs)
+        for record, (result, plan_id, _) in zip(reversed(records), runs):
+            recorded = {}
+            for entry in instance.all_logs(record.run_id):
+                event = entry.dagster_event
+                if event is not None and event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION:
+                    mat = event.event_specific_data.materialization
+                    if "plan_id" in mat.metadata:
+                        recorded[mat.asset_key.to_user_string()] = mat.metadata["plan_id"].value
+                if event is None and "Deprecat" in (entry.user_message or ""):
+                    raise AssertionError(entry.user_message)
+            assert recorded["allocation_plan"] == plan_id
+            assert {recorded[a] for a in ("baseline_plans", "plan_simulation", *recorded.keys() & {
+                "deployment_specs"})} == {plan_id}
+            assert "Deprecat" not in result.stderr
+
+
+@pytest.mark.slow
+def test_readme_sql_returns_rows_on_the_store_coral_run_wrote_and_after_plan_and_simulate(two_runs):
+    """Every SQL example of the README (read from it) returns rows on the store `coral run` wrote; after `coral plan`
+    and `coral simulate` of that new plan, "expected vs got" returns its models, with what they got."""
+    import re
+    from pathlib import Path
+
+    tmp, store, _ = two_runs
+    queries = re.findall(r"```sql\n(.*?)```", (Path(__file__).resolve().parent.parent / "README.md").read_text(), re.S)
+    expected_vs_got = [q for q in queries if "plan_expectations" in q]
+    assert len(queries) >= 4 and len(expected_vs_got) == 1
+    for sql in queries:
+        assert not store.query(sql.strip().rstrip(";")).empty, sql
+    db = ["--db", str(tmp / "c.duckdb")]
+    planned = CliRunner(mix_stderr=False).invoke(main, ["plan", "--scenario", "core", "--json", *db])
+    assert planned.exit_code == 0, planned.stdout + planned.stderr
+    plan_id = json.loads(planned.stdout[planned.stdout.index("{"):])["plan_id"]
+    simulated = CliRunner(mix_stderr=False).invoke(main, ["simulate", "--duration-s", "30", "--json", *db])
+    assert simulated.exit_code == 0, simulated.stdout + simulated.stderr
+    assert plan_id in json.loads(simulated.stdout[simulated.stdout.index("{"):])["recorded"]
+    got = store.query(expected_vs_got[0].strip().rstrip(";"))
+    assert set(got["model"]) == {m.model for m in load_scenario("core").models} and got["got"].notna().all()
+    assert got["expected"].isna().all()  # `coral plan` runs no closed loop, so the plan expects nothing

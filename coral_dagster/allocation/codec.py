@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, cast
 
 import numpy as np
 
@@ -23,7 +23,7 @@ from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, Plan, Pl
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import CatalogError, CoralError
 from coral_dagster.templates.types import Stage, Template, stages_doc
-from coral_dagster.vocab import BOUNDS, PHASES
+from coral_dagster.vocab import BOUNDS, PHASES, Phase
 
 FIX = "give the JSON `coral plan --json` printed, unchanged"
 #: Largest plan document read (bytes): a plan of thousands of instances with their stages is a few MiB.
@@ -62,7 +62,7 @@ def plan_to_doc(plan: Plan) -> dict:
              "stages": stages_doc(i.template.stages)}
             for i in plan.instances],
         "served": served,
-        "routing_shares": plan.routing_shares,
+        "routing_shares": finite_json(plan.routing_shares),
         "admission": {"capacity_factors": {_key(k): f for k, f in sorted(adm.capacity_factors.items())},
                       "admit_req_s": dict(adm.admit_req_s), "admit_depth_req": dict(adm.admit_depth_req),
                       "admit_peak": {m: list(v) for m, v in adm.admit_peak.items()}},
@@ -165,7 +165,7 @@ def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = Tru
 
 def _instance(row: dict, where: object, at: str, catalog: bool) -> PlannedInstance:
     model = _model(row, where, at, catalog)
-    phase = _choice(row, "phase", PHASES, where, at)
+    phase = cast(Phase, _choice(row, "phase", PHASES, where, at))
     region = _region(row, where, at, catalog)
     stages = _stages(row, model, where, at, catalog)
     count = row.get("count")

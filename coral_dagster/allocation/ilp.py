@@ -46,7 +46,7 @@ from typing import Literal, Mapping, Sequence
 
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
-from coral_dagster.highs import pulp_solver, quiet_stdout, silence_banner, solve_status
+from coral_dagster.highs import pulp_solver, silence_banner, solve_status
 
 # The most rows per model the routing shares' elimination may write (phases ** regions): 2 phases, up to 4 regions.
 PROJECTED_MAX_ROWS = 16

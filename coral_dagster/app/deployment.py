@@ -1,10 +1,18 @@
-"""Deploying a stored plan: node prices and instance types from the market snapshot the plan was made on."""
+"""Deploying a stored plan, the one path `coral launch` and the `deployment_specs` asset take: node prices and
+instance types from the market snapshot the plan was made on, the deployment's full cost beside the plan's, then
+a dry run (task YAMLs and commands) or a reconcile through SkyPilot."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import pandas as pd
 
 from coral_dagster.allocation.types import Plan
+from coral_dagster.deploy.cost import DeploymentCost
+from coral_dagster.deploy.dry_run import DryRun
+from coral_dagster.deploy.reconcile import Diff, ReconcileReport
 from coral_dagster.errors import CoralError
 from coral_dagster.store.duck import Store
 
@@ -27,13 +35,68 @@ def snapshot_prices(store: Store, plan: Plan) -> tuple[pd.DataFrame, str]:
                                 "is not stored)")
 
 
-def deploy(store: Store, plan: Plan, launcher) -> dict:
-    """Hand the plan, priced from its own snapshot, to a launcher (`deploy(store, plan, prices) -> dict`); the
-    report carries the plan's cost beside the deployment's full cost (`deploy.cost.DeploymentCost.as_dict`)."""
+def default_out(plan_id: str, root: Path | None = None) -> Path:
+    """Where a dry run writes a plan's task YAMLs: `<root>/<plan tag>`, root `out/deploy` of the repository."""
+    from coral_dagster import paths
+    from coral_dagster.deploy.names import plan_tag
+
+    return (root or paths.REPO_ROOT / "out" / "deploy") / plan_tag(plan_id)
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """What deploying a plan did: its pricing and full cost, and either the dry run (diff, YAMLs) or the reconcile
+    report."""
+
+    plan: Plan
+    priced_from: str
+    cost: DeploymentCost
+    diff: Diff | None = None
+    dry: DryRun | None = None
+    out: Path | None = None
+    report: ReconcileReport | None = None
+    # The OpenAI base URL of the live coordinator after a reconcile (None when none is up).
+    url: str | None = None
+
+    def as_dict(self) -> dict:
+        head = {"plan_id": self.plan.plan_id, "method": self.plan.method, "dry_run": self.dry is not None,
+                "priced_from": self.priced_from, "plan_usd_per_hour": round(self.plan.cost_usd_per_hour, 4),
+                **self.cost.as_dict()}
+        if self.report is not None:
+            return {**self.report.as_dict(), **head, "url": self.url}
+        assert self.diff is not None and self.dry is not None
+        return {**head, "out": str(self.out), "yaml": [str(p) for p in self.dry.yaml_paths],
+                "script": str(self.dry.script), "commands": list(self.dry.commands), "launch": len(self.diff.nodes_to_launch()),
+                "remove": len(self.diff.remove), "keep": list(self.diff.keep)}
+
+
+def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None = None,
+           drain_timeout_s: float = 600.0, retry_until_up: bool = False) -> Deployment:
+    """Deploy `plan` (its own `plan_id`), priced from its own snapshot: a dry run writes the diff against the
+    recorded deployment as task YAMLs and commands into `out` (default `default_out`); otherwise reconcile through
+    SkyPilot, draining removed instances for up to `drain_timeout_s`."""
+    from coral_dagster.deploy import state
     from coral_dagster.deploy.cost import deployment_cost
+    from coral_dagster.deploy.dry_run import write_dry_run
+    from coral_dagster.deploy.reconcile import plan_diff, reconcile
 
     prices, source = snapshot_prices(store, plan)
     cost = deployment_cost(plan, plan.plan_id, prices, source)
-    report = launcher.deploy(store, plan, prices)
-    return {"plan_id": plan.plan_id, "method": plan.method, "priced_from": source,
-            "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), **report}
+    if dry_run:
+        diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices)
+        folder = out or default_out(plan.plan_id)
+        return Deployment(plan, source, cost, diff=diff, dry=write_dry_run(diff, folder), out=folder)
+    from coral_dagster.deploy.drain import CoordinatorDrainer
+    from coral_dagster.deploy.sky_adapter import SkyLauncher
+
+    report = reconcile(plan, plan.plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
+                       prices, drain_timeout_s)
+    return Deployment(plan, source, cost, report=report, url=endpoint(state.read_nodes(store)))
+
+
+def endpoint(nodes: pd.DataFrame) -> str | None:
+    """The OpenAI base URL of the live coordinator among the recorded nodes, or None when none is up."""
+    from coral_dagster.deploy.tasks import http_url
+
+    up = nodes[(nodes.role == "coordinator") & (nodes.status == "launched") & nodes.address.notna()]
+    return http_url(up.address.iloc[0]) if len(up) else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime, timezone
+from typing import Mapping
 
 import pandas as pd
 
@@ -23,15 +24,18 @@ def simulate_plan_id(store: Store, plan_id: str, *, duration_s: float = 120.0, s
     return result, store_simulation(store, plan_id, result, attainment_target)
 
 
-def store_simulation(store: Store, plan_id: str, result, attainment_target: float) -> pd.DataFrame:
-    """Append one simulation's per-model figures to `simulations`; returns them."""
+def store_simulation(store: Store, plan_id: str, result,
+                     attainment_target: float | Mapping[str, float]) -> pd.DataFrame:
+    """Append one simulation's per-model figures to `simulations` (`attainment_target` one for all models, or per
+    model); returns them."""
     table = result.by_model.copy()
     table.insert(0, "plan_id", plan_id)
     table["simulated_at"] = datetime.now(timezone.utc)
     table["duration_s"] = result.duration_s
     table["seed"] = result.seed
     table["rate_scale"] = result.rate_scale
-    table["attainment_target"] = attainment_target
+    table["attainment_target"] = (table["model"].map(attainment_target).astype(float)
+                                  if isinstance(attainment_target, Mapping) else attainment_target)
     with store.transaction() as con:
         write_frame(con, "simulations", table)
     return table

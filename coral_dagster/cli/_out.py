@@ -10,7 +10,8 @@ from typing import Any
 import click
 
 from coral_dagster.allocation.codec import finite_json
-from coral_dagster.cli.types import NON_NEGATIVE, POSITIVE, FiniteFloat  # re-exported: the option types every command uses
+# The option types every command uses, re-exported.
+from coral_dagster.cli.types import NON_NEGATIVE as NON_NEGATIVE, POSITIVE as POSITIVE, FiniteFloat as FiniteFloat
 import pandas as pd
 from rich.console import Console
 from rich.table import Table

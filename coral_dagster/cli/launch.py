@@ -80,68 +80,42 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     and `launch.sh`, which launches every cluster from them in order. A real run
     needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
     """
-    from coral_dagster import paths
-    from coral_dagster.app.deployment import snapshot_prices
+    from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import plan_label
-    from coral_dagster.deploy import state
-    from coral_dagster.deploy.cost import deployment_cost
-    from coral_dagster.deploy.names import plan_tag
-    from coral_dagster.deploy.dry_run import write_dry_run
-    from coral_dagster.deploy.reconcile import plan_diff, reconcile
     from coral_dagster.store import Store
 
     store = Store(db_path)
     plan = _load_plan(store, plan_ref, scenario, method)
-    plan_id, label = plan.plan_id, plan_label(plan)
-    prices, priced_from = snapshot_prices(store, plan)
-    cost = deployment_cost(plan, plan_id, prices, priced_from)
-    if dry_run:
-        diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
-        out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
-        dry = write_dry_run(diff, out)
-        actions = _actions(diff)
+    label = plan_label(plan)
+    done = deploy(store, plan, dry_run=dry_run, out=Path(out_dir) if out_dir else None,
+                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up)
+    report = done.report
+    if report is not None:
         if as_json:
-            emit_json({"plan_id": plan_id, "method": plan.method, "dry_run": True, "priced_from": priced_from,
-                       "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(), "out": str(out),
-                       "yaml": [str(p) for p in dry.yaml_paths], "script": str(dry.script),
-                       "commands": list(dry.commands),
-                       "keep": list(diff.keep), "actions": _records(actions)})
+            emit_json(done.as_dict())
             return
-        _echo_cost(plan, cost, priced_from)
-        if not diff.changes:
-            click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
-            return
-        emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
-                                   f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
-        click.echo(f"# {len(dry.yaml_paths)} task YAML(s), one per cluster kind, in {out}; run {dry.script}:")
-        for line in dry.commands:
-            click.echo(line)
+        _echo_cost(plan, done.cost, done.priced_from)
+        click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
+                   f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
+        for message in report.messages:
+            click.echo(f"  {message}")
+        _echo_endpoint(done.url)
         return
-
-    from coral_dagster.deploy.drain import CoordinatorDrainer
-    from coral_dagster.deploy.sky_adapter import SkyLauncher
-
-    report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
-                       prices, drain_timeout_s)
-    url = _endpoint(state.read_nodes(store))
+    diff, dry = done.diff, done.dry
+    assert diff is not None and dry is not None  # a dry run's
+    actions = _actions(diff)
     if as_json:
-        emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(),
-                   "url": url})
+        emit_json({**done.as_dict(), "actions": _records(actions)})
         return
-    _echo_cost(plan, cost, priced_from)
-    click.echo(f"run {report.run_id} ({report.status}): {len(report.launched)} launched, {len(report.failed)} "
-               f"failed, {len(report.drained)} drained, {len(report.downed)} down, {len(report.kept)} kept")
-    for message in report.messages:
-        click.echo(f"  {message}")
-    _echo_endpoint(url)
-
-
-def _endpoint(nodes: pd.DataFrame) -> str | None:
-    """The OpenAI base URL of the live coordinator, or None when none is up."""
-    from coral_dagster.deploy.tasks import http_url
-
-    up = nodes[(nodes.role == "coordinator") & (nodes.status == "launched") & nodes.address.notna()]
-    return http_url(up.address.iloc[0]) if len(up) else None
+    _echo_cost(plan, done.cost, done.priced_from)
+    if not diff.changes:
+        click.echo(f"{label}: nothing to change ({len(diff.keep)} instance(s) running as planned)")
+        return
+    emit(actions, False, title=f"{label}: launch {len(actions[actions.action == 'launch'])} cluster(s), "
+                               f"remove {len(diff.remove)} and keep {len(diff.keep)} instance(s)")
+    click.echo(f"# {len(dry.yaml_paths)} task YAML(s), one per cluster kind, in {done.out}; run {dry.script}:")
+    for line in dry.commands:
+        click.echo(line)
 
 
 def _echo_endpoint(url: str | None) -> None:
@@ -155,6 +129,7 @@ def _echo_endpoint(url: str | None) -> None:
 @db_option
 def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     """Show the deployment recorded in DuckDB: live clusters, their status, address and price."""
+    from coral_dagster.app.deployment import endpoint
     from coral_dagster.deploy import state
     from coral_dagster.store import Store
 
@@ -165,7 +140,7 @@ def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     columns = ["cluster_name", "role", "status", "instance_id", "model", "phase", "region", "stage", "node",
                "instance_type", "use_spot", "usd_per_hour", "address", "plan_id"]
     shown = shown[columns].reset_index(drop=True)
-    url = _endpoint(nodes) if not nodes.empty else None
+    url = endpoint(nodes) if not nodes.empty else None
     if as_json:
         emit_json({**summary, "url": url, "nodes": _records(shown)})
         return

@@ -116,7 +116,8 @@ def previous_plan(store, plan) -> dict | None:
     if history.empty:
         return None
     diff = store.query("SELECT delta FROM plan_diff WHERE plan_id = ?", [plan.plan_id])["delta"]
-    return {"plan_id": str(history["plan_id"].iloc[0]), "cost_usd_per_hour": float(history["cost_usd_per_hour"].iloc[0]),
+    return {"plan_id": str(history["plan_id"].iloc[0]),
+            "cost_usd_per_hour": float(history["cost_usd_per_hour"].iloc[0]),
             "instances_launched": int(diff[diff > 0].sum()), "instances_removed": int(-diff[diff < 0].sum())}
 
 

@@ -83,7 +83,9 @@ def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, ga
         out.mkdir(parents=True, exist_ok=True)
         plots = {"latency_cdf": str(plot_latency_cdf(result, out / "latency_cdf.png")),
                  "goodput": str(plot_goodput(result, out / "goodput.png"))}
-    summary = {"plan": label, "plan_id": plan.plan_id or None, **result.summary(), "plots": plots}
+    recorded = _record(db_path, plan, scn, result, traffic)
+    summary = {"plan": label, "plan_id": plan.plan_id or None, **result.summary(), "plots": plots,
+               "recorded": recorded}
     if as_json:
         emit_json(summary)
         return
@@ -98,6 +100,22 @@ def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, ga
                f"{result.wall_s:.1f} s ({result.events:,} events)")
     for name, path in plots.items():
         click.echo(f"{name}: {path}")
+    click.echo(recorded)
+
+
+def _record(db_path: str | None, plan, scn, result, traffic: str) -> str:
+    """Append the simulation to the store's `simulations` when it is the stored plan serving its own scenario's
+    traces (what the plan's SLO attainment means); says where it went, or why it was not recorded."""
+    from coral_dagster.app.simulation import store_simulation
+    from coral_dagster.store import Store
+
+    if not plan.plan_id or plan.plan_id.startswith("file-"):
+        return "not recorded: the plan is not stored"
+    if traffic != "scenario" or plan.scenario_key and plan.scenario_key != scn.scenario_key:
+        return "not recorded: only a plan serving its own scenario's traces is recorded"
+    store = Store(db_path)
+    store_simulation(store, plan.plan_id, result, {m.model: m.attainment_target for m in scn.models})
+    return f"recorded in {store.path} (table simulations, plan {plan.plan_id})"
 
 
 simulate = cli
