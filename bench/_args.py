@@ -1,4 +1,4 @@
-"""What the paper benches share: their command line, the evaluation of a plan on held-out trace windows, the table."""
+"""What the paper benches share: their command line and their table (a plan is evaluated by `app.equal_attainment`)."""
 
 from __future__ import annotations
 
@@ -34,25 +34,6 @@ def seeds_and_libraries(args) -> tuple[list[int], list[tuple]]:
 
     scenarios = [load_scenario(name) for name in names(args.scenarios)]
     return [int(s) for s in names(args.seeds)], [(scn, library_templates(scn)) for scn in scenarios]
-
-
-def evaluate(plan, scenario, seeds, duration_s: float) -> dict:
-    """The plan simulated on the scenario's own traces, one window per seed: per seed the worst model's share of
-    admitted requests meeting both SLOs, goodput (tokens/s meeting SLO) and offered tokens/s; with the worst seed."""
-    from coral_dagster.simulator.simulate import simulate_plan
-
-    runs = []
-    for seed in seeds:
-        res = simulate_plan(plan, scenario, trace="scenario", duration_s=duration_s, seed=seed)
-        req, by = res.requests, res.by_model
-        offered = (req.prompt_tokens + req.output_tokens).groupby(req.model).sum() / res.duration_s
-        runs.append({"seed": seed, "worst_attainment": float(by.admitted_attainment.min()),
-                     "worst_model": str(by.model[by.admitted_attainment.astype(float).idxmin()]),
-                     "goodput_tokens_per_s": float(res.goodput_tokens_per_s),
-                     "offered_tokens_per_s": {str(m): float(v) for m, v in offered.items()},
-                     "shed": int(by.shed.sum()), "arrivals": int(by.arrivals.sum())})
-    return {"runs": runs, "worst_attainment": min(r["worst_attainment"] for r in runs),
-            "goodput_tokens_per_s": sum(r["goodput_tokens_per_s"] for r in runs) / len(runs)}
 
 
 def cell(value) -> str:

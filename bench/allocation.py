@@ -2,7 +2,7 @@
 
 `coral bench allocation` writing bench/results/allocation.json (and .png) by default; every option of that command
 applies (`--help`), e.g. python bench/allocation.py --scenarios core --no-helix. The settings are described in
-bench/allocation_harness.py.
+coral_dagster/app/allocation_bench.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from bench._args import RESULTS, bench_parser, evaluate, names, report, seeds_and_libraries
+from bench._args import RESULTS, bench_parser, names, report, seeds_and_libraries
+from coral_dagster.app.equal_attainment import evaluate
 from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.scenario_plans import plan_scenario
 from coral_dagster.errors import CoralError
@@ -45,8 +46,9 @@ def row_for(scn, templates, level, mode, method, args, seeds) -> dict:
                simulated_over_fluid=ev["goodput_tokens_per_s"] / promised if promised else None,
                shed=sum(r["shed"] for r in ev["runs"]), arrivals=sum(r["arrivals"] for r in ev["runs"]),
                worst_admitted_attainment=ev["worst_attainment"])
-    if args.ablate_depth and plan.admit_depth_req:
-        old = evaluate(replace(plan, admit_depth_req={}, admit_peak={}), scn, seeds, args.duration_s)
+    if args.ablate_depth and plan.admission.admit_depth_req:
+        unbuffered = replace(plan.admission, admit_depth_req={}, admit_peak={})
+        old = evaluate(replace(plan, admission=unbuffered), scn, seeds, args.duration_s)
         row.update(simulated_over_fluid_10s_bucket=old["goodput_tokens_per_s"] / promised if promised else None,
                    shed_10s_bucket=sum(r["shed"] for r in old["runs"]),
                    worst_admitted_attainment_10s_bucket=old["worst_attainment"])

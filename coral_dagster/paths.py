@@ -13,6 +13,14 @@ SCENARIOS_DIR = DATA_DIR / "scenarios"
 PROFILES_DIR = DATA_DIR / "profiles"
 TRACES_DIR = DATA_DIR / "traces"
 
+# The performance model's files in PROFILES_DIR: its roofline fit and the measured tables it is fit to (named here,
+# at the bottom, so the catalog can digest what templates are computed from without importing the profiles).
+FIT_FILE = "roofline_fit.json"
+HELIX_FILE = "helix_llama1_30b.csv"
+AIC_FILE = "aiconfigurator_layers.csv"
+VIDUR_FILE = "vidur_nonattention.csv"
+MEASURED_FILES = (HELIX_FILE, AIC_FILE, VIDUR_FILE)
+
 
 def default_db_path() -> Path:
     """The DuckDB file: `$CORAL_DB` when set, else `data/coral.duckdb`."""

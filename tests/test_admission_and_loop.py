@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from coral_dagster.allocation.types import Plan, PlannedInstance
+from coral_dagster.allocation.types import AdmissionLimits, Plan, PlannedInstance
 from coral_dagster.app.closed_loop import closed_loop
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.scenarios import load_scenario
@@ -24,10 +24,10 @@ def _aggregated_plan(admit: dict[str, float], depth: dict[str, float] | None = N
                      factors: dict[tuple[str, str], float] | None = None) -> Plan:
     t = Template("phi-4", "aggregated", 60.0, NodeMultiset.of([L40S]), (Stage(0, 40, (L40S,), (1.0,)),), 1e6,
                  "compute")
-    return Plan("test", "coral", "scaled", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(t, "r", 1, 1.0),),
+    return Plan("test", "coral", "scaled", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(t, "aws:us-east-2", 1, 1.0),),
                 {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0},
-                {("phi-4", "prefill"): served, ("phi-4", "decode"): served} if served else {}, admit_req_s=admit,
-                admit_depth_req=depth or {}, capacity_factors=factors or {})
+                {("phi-4", "prefill"): served, ("phi-4", "decode"): served} if served else {},
+                admission=AdmissionLimits(factors or {}, admit, depth or {}))
 
 
 def _simulate(plan: Plan, arrivals: np.ndarray):
@@ -84,8 +84,8 @@ def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_s
     factors = {("phi-4", "prefill"): 4.0, ("phi-4", "decode"): 6.0}
     phi4 = next(m for m in load_scenario("core").models if m.model == "phi-4")
     plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0}, [phi4])
-    rate, depth = plan.admit_req_s["phi-4"], plan.admit_depth_req["phi-4"]
-    peak_rate, peak_depth = plan.admit_peak["phi-4"]
+    rate, depth = plan.admission.admit_req_s["phi-4"], plan.admission.admit_depth_req["phi-4"]
+    peak_rate, peak_depth = plan.admission.admit_peak["phi-4"]
     assert rate == pytest.approx(10.0 * share) and peak_rate == pytest.approx(4.0 * rate)
     period_s = trace_period_s("azure-conv", 10.0)
     worst, worst_peak = 0.0, 0.0
@@ -121,7 +121,8 @@ def test_coordinator_sheds_the_same_requests_with_429():
     from coral_dagster.runtime.coordinator import Coordinator
 
     arrivals = np.sort(np.random.default_rng(4).uniform(0, 60, 900))
-    plan = replace(_aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0}), admit_peak={"phi-4": (12.0, 4.0)})
+    made = _aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0})
+    plan = replace(made, admission=replace(made.admission, admit_peak={"phi-4": (12.0, 4.0)}))
     simulated = _simulate(plan, arrivals) == "shed"
     ctx = zmq.Context()
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", http_port=None, admit_req_s={"phi-4": 5.0},
@@ -154,9 +155,11 @@ def test_the_plan_admission_is_stored_reaches_the_coordinator_task_and_reads_bac
 
     store = Store(str(tmp_path / "admit.duckdb"))
     admission = ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}, {"phi-4": (18.8, 9.0)})
-    made = replace(_aggregated_plan(admission[0], admission[1]), admit_peak=admission[2])
+    made = _aggregated_plan(admission[0], admission[1])
+    made = replace(made, admission=replace(made.admission, admit_peak=admission[2]))
     plan = load_plan(store, store_plan(store, made, "r", {}).plan_id)
-    assert (plan.admit_req_s, plan.admit_depth_req, plan.admit_peak) == admission
+    adm = plan.admission
+    assert (adm.admit_req_s, adm.admit_depth_req, adm.admit_peak) == admission
     envs = dict(build_coordinator("p1", "r", (), plan).envs)
     assert parse_admit(envs["CORAL_ADMIT"]) == admission
     assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), _aggregated_plan({})).envs)

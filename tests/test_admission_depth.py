@@ -52,7 +52,7 @@ def _direct(plan, model, share, factors, peak):
     full, queues empty), each phase one FIFO queue of the plan's capacity (served share × capacity factor × the
     trace's mean work rate)."""
     arrival, prompt, output, n = _replayed(model.trace, 3)
-    buckets = Admission(plan.admit_req_s, plan.admit_depth_req, {model.model: peak})
+    buckets = Admission(plan.admission.admit_req_s, plan.admission.admit_depth_req, {model.model: peak})
     keep = np.array(buckets.admits(model.model, arrival.tolist()))
     t = arrival[keep]
     first, last = 0, np.searchsorted(t, arrival[2 * n])
@@ -79,11 +79,11 @@ def test_the_second_bucket_keeps_the_target_and_admits_no_less_than_that_allows(
     share, factors = 0.3, {"prefill": prefill_factor, "decode": decode_factor}
     made = _aggregated_plan({}, served=share, factors={("phi-4", p): f for p, f in factors.items()})
     plan = with_admission(made, {"phi-4": RATE}, [phi4])
-    rate, depth = plan.admit_peak["phi-4"]
+    rate, depth = plan.admission.admit_peak["phi-4"]
     carried = RATE * share * min(factors.values())
     thinned = (carried, admission_depth_req(phi4.trace, RATE, share, carried))
     target = phi4.attainment_target
-    assert plan.admit_req_s["phi-4"] < rate <= carried + 1e-9
+    assert plan.admission.admit_req_s["phi-4"] < rate <= carried + 1e-9
     assert _direct(plan, phi4, share, factors, (rate, depth)) >= target
     if (rate, depth) == thinned:
         return

@@ -8,7 +8,7 @@ import pytest
 
 import coral_dagster.allocation.prune as prune
 from coral_dagster.allocation.baselines import homogeneous_problem
-from bench.allocation_harness import BenchConfig, bench_simulator, prepare_libraries, run_allocation_bench
+from coral_dagster.app.allocation_bench import BenchConfig, bench_simulator, prepare_libraries, run_allocation_bench
 from coral_dagster.allocation.inputs import scenario_problem, scenario_rates
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.planner import solve_plan

@@ -9,6 +9,7 @@ import pytest
 
 from coral_dagster.allocation.baselines import plan_cauchy, plan_homo, plan_homo_ilp
 from coral_dagster.allocation.check import plan_violations
+from coral_dagster.allocation.codec import plan_to_doc
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import dominated_ids
@@ -249,7 +250,7 @@ def test_lp_bound_is_a_lower_bound_and_gap_consistent():
                                      / plan.objective_usd_per_hour)
     assert plan.status == "optimal" and 0 <= plan.mip_gap <= 1e-4 + 1e-9  # the solver's own tolerance
     assert plan.mip_gap <= plan.gap + 1e-12
-    assert plan.as_dict()["mip_gap"] == plan.mip_gap
+    assert plan_to_doc(plan)["mip_gap"] == plan.mip_gap
 
 
 def test_homogeneous_baselines_only_use_one_configuration_per_instance():

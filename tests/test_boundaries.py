@@ -1,4 +1,5 @@
-"""Import boundaries: domain code is free of Dagster and SkyPilot; the GPU-node runtime of Dagster, PuLP, DuckDB
+"""Import boundaries: the package's layers import downward only; domain code is free of Dagster and SkyPilot; the GPU-node
+runtime of Dagster, PuLP, DuckDB
 and of the command line."""
 
 from __future__ import annotations
@@ -69,3 +70,74 @@ def test_runtime_never_imports_the_command_line():
     offenders = {k: sorted(n for n in names if n == "coral_dagster.cli" or n.startswith("coral_dagster.cli."))
                  for k, names in reached.items()}
     assert {k: v for k, v in offenders.items() if v} == {}
+
+
+#: The package's layers, bottom first: a part may import only parts of lower layers (lazy imports included), so
+#: no import cycle runs between parts. A new module or subpackage must be placed here.
+LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    {"vocab", "errors", "paths"},               # names and errors everything shares; import nothing of the project
+    {"layer_split", "store", "highs"},          # the layer split parser, DuckDB access, the HiGHS wrapper
+    {"catalog", "routing"},                     # GPUs, models, markets, scenarios, traces; the routing policy
+    {"profiles"},                               # the performance model
+    {"templates"},                              # serving templates and their throughput T̂
+    {"allocation"},                             # problems, methods, plans and their codec
+    {"simulator", "runtime", "plots"},          # what runs a plan: simulated, or on GPU nodes
+    {"deploy"},                                 # SkyPilot tasks and reconciliation
+    {"app"},                                    # the use cases the CLI, the assets and the benches call
+    {"reallocation"},                           # the re-plan policy the sensor applies
+    {"definitions"},                            # the Dagster definitions (`coral run` materializes them)
+    {"cli"},                                    # the command line
+    {"__main__", "__init__"},
+))
+
+
+def _part(path: Path, pkg: Path) -> str:
+    return path.relative_to(pkg).parts[0].removesuffix(".py")
+
+
+def _part_imports(pkg: Path) -> dict[str, set[str]]:
+    """Per part of the package, the other parts it imports (`from coral_dagster import paths` included)."""
+    out: dict[str, set[str]] = {}
+    for path in pkg.rglob("*.py"):
+        part = _part(path, pkg)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "coral_dagster" \
+                    else [node.module]
+            for name in names:
+                bits = name.split(".")
+                if bits[0] == "coral_dagster" and len(bits) > 1 and bits[1] != part:
+                    out.setdefault(part, set()).add(bits[1])
+    return out
+
+
+def _upward(pkg: Path) -> set[str]:
+    """`part -> other` for every import of a part of the same or a higher layer."""
+    rank = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+    return {f"{part} -> {other}" for part, others in _part_imports(pkg).items() for other in others
+            if rank.get(other, -1) >= rank.get(part, len(LAYERS))}
+
+
+def test_every_part_of_the_package_has_a_layer():
+    placed = set().union(*LAYERS)
+    parts = {_part(p, PKG) for p in PKG.rglob("*.py")}
+    assert parts - placed == set(), "place the new part in tests/test_boundaries.LAYERS"
+    assert all(not a & b for i, a in enumerate(LAYERS) for b in LAYERS[i + 1:])
+
+
+def test_parts_import_only_lower_layers():
+    """Imports run downward only, so no cycle runs between parts (e.g. the catalog imports neither templates nor
+    profiles; templates never import the simulator)."""
+    assert _upward(PKG) == set()
+
+
+def test_the_layering_check_reports_a_cycle(tmp_path):
+    fake = tmp_path / "coral_dagster"
+    for part in ("catalog", "templates"):
+        (fake / part).mkdir(parents=True)
+    (fake / "catalog" / "x.py").write_text("def f():\n    from coral_dagster.templates.types import Template\n")
+    (fake / "templates" / "y.py").write_text("from coral_dagster.catalog import x\n")
+    assert _upward(fake) == {"catalog -> templates"}

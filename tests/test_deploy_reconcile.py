@@ -11,7 +11,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from coral_dagster.allocation.types import Plan, PlannedInstance
+from coral_dagster.allocation.types import AdmissionLimits, Plan, PlannedInstance
 from coral_dagster.catalog.models import get_model
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
@@ -206,11 +206,13 @@ def test_a_replan_hands_the_live_coordinator_its_admission_limits_once(store):
     reconcile(P1, "p1", store, launcher, drainer, PRICES)
     assert ("admit", "") not in calls and not [c for c in calls if c[0] == "admit"]
     coord = nodes(store)[nodes(store).role == "coordinator"].address.item()
-    short = replace(P2, admit_req_s={"gpt-oss-20b": 1.5}, admit_depth_req={"gpt-oss-20b": 40.0})
+    short = replace(P2, admission=AdmissionLimits(admit_req_s={"gpt-oss-20b": 1.5},
+                                                  admit_depth_req={"gpt-oss-20b": 40.0}))
     n_before = len(calls)
     reconcile(short, "p2", store, launcher, drainer, PRICES)
     new = calls[n_before:]
-    text = format_admit(short.admit_req_s, short.admit_depth_req, short.admit_peak)
+    adm = short.admission
+    text = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
     assert parse_admit(text)[:2] == ({"gpt-oss-20b": 1.5}, {"gpt-oss-20b": 40.0})
     assert drainer.limits == {coord: text}
     at = new.index(("admit", text))

@@ -50,6 +50,6 @@ def test_burst_aware_plan_holds_its_target_on_the_scenario_traces(planned, seed)
     res = simulate_plan(bursty, scn, trace="scenario", duration_s=600, seed=seed)
     for m in scn.models:
         assert res.attainment_by_model[m.model] >= m.attainment_target, res.attainment_by_model
-    assert bursty.capacity_factors[("gpt-oss-20b", "prefill")] > 2.0
+    assert bursty.admission.capacity_factors[("gpt-oss-20b", "prefill")] > 2.0
     worse = simulate_plan(smooth, scn, trace="scenario", duration_s=600, seed=seed)
     assert worse.attainment_by_model["gpt-oss-20b"] < 0.95

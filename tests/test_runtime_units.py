@@ -8,7 +8,8 @@ import pytest
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime import wire
-from coral_dagster.runtime.config import Timing, parse_split, stage_ranges
+from coral_dagster.layer_split import parse_split, stage_ranges
+from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.generate import generate_tokens
 from coral_dagster.runtime.security import CurveKeys, is_local

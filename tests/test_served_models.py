@@ -127,18 +127,18 @@ def test_a_served_model_plans_and_simulates_as_its_base_would_under_its_own_name
 
 
 def test_a_plan_file_keeps_a_served_models_name_and_checks_its_bases_layers():
-    from coral_dagster.app.plan_files import plan_from_json
+    from coral_dagster.allocation.codec import plan_from_doc
 
     served = next(m for m in load_scenario("mega").models if m.base == "qwen3-32b" and m.model != m.base)
     row = {"model": served.model, "phase": "prefill", "region": "aws:us-east-2", "count": 1, "tokens_per_s": 100.0,
            "usd_per_hour": 1.0, "stages": [{"start": 0, "end": 64, "nodes": ["L40S:4"], "shares": [1.0]}]}
-    plan = plan_from_json({"instances": [row]})
+    plan = plan_from_doc({"instances": [row]})
     assert [i.template.model for i in plan.instances] == [served.model]
     short = {**row, "stages": [{"start": 0, "end": 40, "nodes": ["L40S:4"], "shares": [1.0]}]}
     with pytest.raises(CatalogError, match=f"{served.model} has 64"):
-        plan_from_json({"instances": [short]})
+        plan_from_doc({"instances": [short]})
     with pytest.raises(CatalogError, match="unknown model 'qwen3-32b-nowhere'"):
-        plan_from_json({"instances": [{**row, "model": "qwen3-32b-nowhere"}]})
+        plan_from_doc({"instances": [{**row, "model": "qwen3-32b-nowhere"}]})
 
 
 def test_a_node_without_the_planner_stack_resolves_a_bundled_served_model():

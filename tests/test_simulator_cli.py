@@ -6,6 +6,7 @@ import json
 
 from click.testing import CliRunner
 
+from coral_dagster.allocation.codec import plan_to_doc
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
@@ -57,7 +58,7 @@ def test_stored_plan_by_latest_and_by_file(tmp_path):
     assert 0 <= phi["queue_p50_ms"] <= phi["queue_p99_ms"] and phi["decode_queue_mean_ms"] >= 0
     # The file `coral plan --json` prints (plan_id plus instances without stages) resolves through the store.
     plan_file = tmp_path / "plan.json"
-    plan_file.write_text(json.dumps({"plan_id": plan_id, **small_plan().as_dict()}))
+    plan_file.write_text(json.dumps({"plan_id": plan_id, **plan_to_doc(small_plan())}))
     by_file = json.loads(_run(["--plan", str(plan_file), *common]).output)
     assert by_file["models"] == doc["models"]
 

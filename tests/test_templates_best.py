@@ -14,7 +14,7 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.templates.best import best_for_nodes, best_template, verify_template
 from coral_dagster.templates.queueing import decode_rate
-from coral_dagster.templates.partition import parse_pp_partition, pp_indices
+from coral_dagster.layer_split import parse_split, stage_ranges
 from coral_dagster.templates.throughput import (
     DECODE_STEP_FRACTIONS,
     PREFILL_STEP_FRACTIONS,
@@ -204,15 +204,13 @@ def test_explain_table_reproduces_the_optimum_by_enumeration():
 
 
 def test_pp_partition_validated_like_vllm():
-    assert parse_pp_partition("20,20", 40, 2) == (20, 20)
-    assert pp_indices(40, 1, 2, "15,25") == (15, 40)
-    with pytest.raises(CoralError, match=r"sum\(parts\)=39 does not match num_hidden_layers=40"):
-        parse_pp_partition("20,19", 40)
-    with pytest.raises(CoralError, match=r"len\(parts\)=2 does not match pp_size=3"):
-        parse_pp_partition("20,20", 40, 3)
-    with pytest.raises(CoralError, match="at least one layer"):
-        parse_pp_partition("40,0", 40)
-    with pytest.raises(CoralError, match="invalid partition string"):
-        parse_pp_partition("20;20", 40)
-    with pytest.raises(CoralError, match="pp_rank=2"):
-        pp_indices(40, 2, 2, "20,20")
+    """One parser (`layer_split`) for the planner and the runtime, refusing what vLLM's partition check refuses."""
+    assert parse_split("20,20", 40, 2) == (20, 20)
+    assert stage_ranges(parse_split("15,25", 40, 2))[1] == (15, 40)
+    with pytest.raises(CoralError, match="holds 39 layers, the model has 40"):
+        parse_split("20,19", 40)
+    with pytest.raises(CoralError, match="has 2 stages, not 3"):
+        parse_split("20,20", 40, 3)
+    for bad in ("40,0", "20;20", "", "20,,20"):
+        with pytest.raises(CoralError, match="not a list of positive layer counts"):
+            parse_split(bad, 40)

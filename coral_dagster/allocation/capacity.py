@@ -25,7 +25,6 @@ import numpy as np
 
 from coral_dagster.catalog.traces import load_trace
 
-PHASES = ("prefill", "decode")
 ATTAINMENT_WINDOW_S = 600.0
 
 

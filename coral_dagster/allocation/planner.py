@@ -10,10 +10,11 @@ from typing import Mapping, Sequence
 from coral_dagster.allocation import colgen, ilp, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
-from coral_dagster.allocation.types import Bottleneck, Method, PlannedInstance, Plan, Scarcity, SolveStatus
+from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, nodes_explored
+from coral_dagster.vocab import Method, SolveStatus
 
 # An incumbent plan counts as meeting demand when every model's routed share is within this of 1 (HiGHS's
 # feasibility tolerance is 1e-6) or its objective within this of the solver's.
@@ -62,7 +63,7 @@ def build_plan(problem: AllocationProblem, method: Method, status: SolveStatus, 
                 notes=tuple(notes), churn_usd_per_hour=churn, mip_bound_usd_per_hour=proven,
                 bottlenecks=tuple(bottlenecks), pruning=pruning, snapshot_id=problem.snapshot_id,
                 scenario_key=problem.scenario_key, timings_s=dict(timings or {}),
-                capacity_factors=dict(problem.capacity_factors), work_nodes=work_nodes)
+                admission=AdmissionLimits(capacity_factors=dict(problem.capacity_factors)), work_nodes=work_nodes)
 
 
 def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[PlannedInstance]:
@@ -257,7 +258,7 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
             if m is not None and share > 0 and rate > 0:
                 rate, share = float(rate), float(share)
                 depth[model] = admission_depth_req(m.trace, rate, share, rate * share)
-                capacity = {p: served.get((model, p), 1.0) * plan.capacity_factors.get((model, p), 1.0)
+                capacity = {p: served.get((model, p), 1.0) * plan.admission.capacity_factors.get((model, p), 1.0)
                             for p in ("prefill", "decode")}
                 carried = rate * min(capacity.values())
                 phases = ((p, float(slo), capacity[p]) for p, slo in (("prefill", m.prefill_slo_ms),
@@ -265,4 +266,5 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
                 peak[model] = peak_bucket(m.trace, rate, rate * share, depth[model], carried,
                                           admission_depth_req(m.trace, rate, share, carried), tuple(phases),
                                           float(m.slo_margin), float(m.attainment_target))
-    return replace(plan, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak) if admit else plan
+    return replace(plan, admission=replace(plan.admission, admit_req_s=admit, admit_depth_req=depth, admit_peak=peak)) \
+        if admit else plan

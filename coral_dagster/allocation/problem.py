@@ -9,10 +9,10 @@ from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import DEMAND_PHASES
 
 DemandKey = tuple[str, str]
 Offers = Mapping[tuple[str, NodeConfig], float]
-PD_PHASES = ("prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class AllocationProblem:
         for key, value in self.demand_tokens_per_s.items():
             if value < 0:
                 raise CoralError(f"demand for {key[0]} {key[1]} is {value} tokens/s.", "give demand >= 0 tokens/s.")
-            if key[1] not in PD_PHASES:
+            if key[1] not in DEMAND_PHASES:
                 raise CoralError(f"demand phase {key[1]!r} of {key[0]}.", "give demand per prefill and decode.")
         for (region, node), price in self.usd_per_hour.items():
             if price < 0:
@@ -86,7 +86,7 @@ class AllocationProblem:
         kind = (template.model, template.phase)
         known = self._serves.get(kind)  # type: ignore[attr-defined]
         if known is None:
-            phases = PD_PHASES if template.phase == "aggregated" else (template.phase,)
+            phases = DEMAND_PHASES if template.phase == "aggregated" else (template.phase,)
             known = tuple((template.model, p) for p in phases if (template.model, p) in self.demand_tokens_per_s)
             self._serves[kind] = known  # type: ignore[attr-defined]
         return known

@@ -6,14 +6,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
-from coral_dagster.templates.types import Template, stages_doc
+from coral_dagster.templates.types import Template
+from coral_dagster.vocab import Method, SolveStatus
 
-# "heuristic": a greedy baseline's plan (no optimality claim); "feasible-work-limit": stopped by the solver's work
-# limit (reproducible), "feasible-time-limit": by its wall-clock safety net (not reproducible).
-SolveStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "infeasible", "scaled", "fair-share",
-                      "heuristic"]
-Method = Literal["coral", "homo", "homo-ilp", "cauchy", "helix"]
-METHODS: tuple[str, ...] = ("coral", "homo", "homo-ilp", "cauchy", "helix")
 Scarcity = Literal["scale", "fair"]
 
 
@@ -63,6 +58,27 @@ class Bottleneck:
 
 
 @dataclass(frozen=True)
+class AdmissionLimits:
+    """What a plan admits of each model, and how much capacity it holds per unit of demand.
+
+    `capacity_factors`: per (model, phase), the capacity the plan holds over the mean demand (the burst-aware
+    rule, `allocation.capacity`). `admit_req_s`: per model it serves less of than demanded, the request rate it
+    admits (`routing.Admission` sheds the rest); `admit_depth_req` that bucket's depth in requests (the burst of
+    the model's own trace the plan carries); `admit_peak` the second bucket (request rate the plan's capacity
+    carries, depth in requests)."""
+
+    capacity_factors: Mapping[tuple[str, str], float] = field(default_factory=dict)
+    admit_req_s: Mapping[str, float] = field(default_factory=dict)
+    admit_depth_req: Mapping[str, float] = field(default_factory=dict)
+    admit_peak: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def limits(self) -> bool:
+        """Whether any model's requests are limited (a coordinator then sheds beyond the rates)."""
+        return bool(self.admit_req_s)
+
+
+@dataclass(frozen=True)
 class Plan:
     """An allocation plan with the solver's evidence: status, cost, LP bound, gap and wall time.
 
@@ -94,17 +110,18 @@ class Plan:
     snapshot_id: str = ""
     timings_s: Mapping[str, float] = field(default_factory=dict)
     plan_id: str = ""
-    capacity_factors: Mapping[tuple[str, str], float] = field(default_factory=dict)
-    admit_req_s: Mapping[str, float] = field(default_factory=dict)
-    # Token-bucket depth (requests) per admitted model: the burst of its own trace the plan carries.
-    admit_depth_req: Mapping[str, float] = field(default_factory=dict)
-    # Per admitted model, the second bucket (request rate the plan's capacity carries, depth in requests).
-    admit_peak: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     expected_attainment: Mapping[str, float] = field(default_factory=dict)
     expected_from: str = ""
     # The scenario contents it was planned for (`Scenario.scenario_key`): what "latest" is looked up by.
     scenario_key: str = ""
     work_nodes: int = 0
+
+    def __post_init__(self) -> None:
+        # A bound that is not finite is no bound (e.g. −∞ before any ILP proved one): one value, NaN, says so.
+        for name in ("lp_bound_usd_per_hour", "mip_bound_usd_per_hour", "gap"):
+            if not math.isfinite(getattr(self, name)):
+                object.__setattr__(self, name, math.nan)
 
     @property
     def routing_shares(self) -> dict[str, dict[str, float]]:
@@ -145,43 +162,3 @@ class Plan:
                 key = (inst.region, str(node))
                 out[key] = out.get(key, 0) + k * inst.count
         return out
-
-    def as_dict(self) -> dict:
-        """The JSON shape `coral plan --json` prints; an instance's `tokens_per_s` and `usd_per_hour` are for
-        all `count` instances, `template_tokens_per_s` and `instance_usd_per_hour` for one."""
-        return {
-            "plan_id": self.plan_id or None,
-            "scenario": self.scenario, "scenario_key": self.scenario_key or None, "method": self.method,
-            "status": self.status,
-            "cost_usd_per_hour": self.cost_usd_per_hour, "churn_usd_per_hour": self.churn_usd_per_hour,
-            "lp_bound_usd_per_hour": _finite(self.lp_bound_usd_per_hour),
-            "mip_bound_usd_per_hour": _finite(self.mip_bound_usd_per_hour),
-            "gap": _finite(self.gap), "mip_gap": _finite(self.mip_gap), "solve_s": self.solve_s,
-            "work_nodes": self.work_nodes,
-            "demand_scale": self.demand_scale,
-            "snapshot_id": self.snapshot_id,
-            "instances": [
-                {"model": i.template.model, "phase": i.template.phase, "region": i.region,
-                 "nodes": str(i.template.nodes), "count": i.count, "tokens_per_s": i.tokens_per_s,
-                 "usd_per_hour": i.usd_per_hour * i.count, "template_tokens_per_s": i.template.tokens_per_s,
-                 "instance_usd_per_hour": i.usd_per_hour, "template_id": i.template.template_id,
-                 "slo_ms": i.template.slo_ms, "bound": i.template.bound, "pp_partition": i.template.pp_partition,
-                 "stages": stages_doc(i.template.stages)}
-                for i in self.instances],
-            "served": {f"{m}/{p}": {"demand_tokens_per_s": d, "served_tokens_per_s":
-                                    self.served_tokens_per_s.get((m, p), 0.0)}
-                       for (m, p), d in sorted(self.demand_tokens_per_s.items())},
-            "routing_shares": self.routing_shares,
-            "capacity_factors": {f"{m}/{p}": f for (m, p), f in sorted(self.capacity_factors.items())},
-            "admit_req_s": dict(self.admit_req_s), "admit_depth_req": dict(self.admit_depth_req),
-            "admit_peak": {m: list(v) for m, v in self.admit_peak.items()},
-            "expected_attainment": dict(self.expected_attainment), "expected_from": self.expected_from or None,
-            "bottlenecks": [b.as_dict() for b in self.bottlenecks],
-            "pruning": dict(self.pruning) if self.pruning else None,
-            "timings_s": dict(self.timings_s),
-            "notes": list(self.notes),
-        }
-
-
-def _finite(x: float) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

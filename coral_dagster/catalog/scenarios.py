@@ -17,8 +17,7 @@ from coral_dagster.catalog.gpus import gpu_catalog
 from coral_dagster.catalog.market import REGION_RE, MarketSnapshot, Offer
 from coral_dagster.catalog.nodes import GPUS_PER_NODE, NodeConfig
 from coral_dagster.errors import CatalogError, CoralError, UnknownNameError
-from coral_dagster.templates.engines import SERVING_ENGINES
-from coral_dagster.templates.types import T_HAT_RULES
+from coral_dagster.vocab import SERVING_ENGINES, T_HAT_RULE_VERSIONS
 
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
@@ -93,14 +92,14 @@ class Scenario:
     def library_key(self) -> str:
         """What the template library depends on, as a digest: the models with their SLOs, traces and margins, the
         node configurations, n_max, ρ, the link, the data files templates are computed from and the version of
-        T̂'s rules (`templates.types.T_HAT_RULES`). Libraries are
+        T̂'s rules (`vocab.T_HAT_RULE_VERSIONS`). Libraries are
         stored under it, so a scenario file named like a bundled one never overwrites or reuses its library."""
         settings = {
             "models": sorted([m.model, m.prefill_slo_ms, m.decode_slo_ms, m.trace, m.slo_margin,
                               m.attainment_target, *([m.base] if m.base != m.model else [])] for m in self.models),
             "node_configs": sorted(map(str, self.node_configs)), "n_max": self.n_max, "rho": self.rho,
             "link_gbps": self.link_gbps, "sources": _sources_digest(tuple(sorted({m.trace for m in self.models}))),
-            "rules": T_HAT_RULES,
+            "rules": T_HAT_RULE_VERSIONS["slo"],
         }
         return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -397,8 +396,7 @@ def _sources_digest(traces: tuple[str, ...]) -> str:
     """A digest of the data files templates are computed from: GPU and model catalogs, the performance model's
     fit and measured tables, and the traces whose request lengths shape the workloads."""
     from coral_dagster.catalog.traces import TRACE_FILES
-    from coral_dagster.profiles.fit import FIT_FILE
-    from coral_dagster.profiles.measured import MEASURED_FILES
+    from coral_dagster.paths import FIT_FILE, MEASURED_FILES
 
     files = [paths.CATALOG_DIR / "gpus.yaml", paths.CATALOG_DIR / "models.yaml", paths.PROFILES_DIR / FIT_FILE,
              *(paths.PROFILES_DIR / f for f in MEASURED_FILES), *(paths.TRACES_DIR / TRACE_FILES[t] for t in traces)]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import math
 import numbers
 import os
 from typing import Any
 
 import click
 
+from coral_dagster.allocation.codec import finite_json
 from coral_dagster.cli.types import NON_NEGATIVE, POSITIVE, FiniteFloat  # re-exported: the option types every command uses
 import pandas as pd
 from rich.console import Console
@@ -21,17 +21,7 @@ def emit_json(data: Any) -> None:
     has no such numbers and scripts reading ours must never meet them."""
     if isinstance(data, pd.DataFrame):
         data = json.loads(data.to_json(orient="records", date_format="iso"))
-    click.echo(json.dumps(_finite(data), indent=2, default=str, allow_nan=False))
-
-
-def _finite(data: Any) -> Any:
-    if isinstance(data, float):
-        return data if math.isfinite(data) else None
-    if isinstance(data, dict):
-        return {k: _finite(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_finite(v) for v in data]
-    return data
+    click.echo(json.dumps(finite_json(data), indent=2, default=str, allow_nan=False))
 
 
 def emit_table(df: pd.DataFrame, title: str = "") -> None:

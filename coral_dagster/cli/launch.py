@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 import pandas as pd
 
-from coral_dagster.allocation.types import METHODS
+from coral_dagster.vocab import METHODS
 from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
 from coral_dagster.deploy.spec import GPU_ROLES
 

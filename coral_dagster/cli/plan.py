@@ -10,10 +10,10 @@ import click
 
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
-from coral_dagster.templates.engines import SERVING_ENGINES
 
-from coral_dagster.allocation.types import METHODS
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
+from coral_dagster.vocab import METHODS, SERVING_ENGINES
+
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 
@@ -26,7 +26,7 @@ def _print_plan(plan) -> None:
     emit_table(pd.DataFrame(rows, columns=["model", "phase", "region", "nodes", "count", "tokens_per_s",
                                            "usd_per_hour"]),
                title=f"{plan.scenario}: {plan.method} plan {plan.plan_id or '(not stored)'}: {plan.status}")
-    served = [{"model": m, "phase": p, "capacity_factor": plan.capacity_factors.get((m, p)),
+    served = [{"model": m, "phase": p, "capacity_factor": plan.admission.capacity_factors.get((m, p)),
                "demand_tokens_per_s": d, "served_tokens_per_s": plan.served_tokens_per_s.get((m, p), 0.0)}
               for (m, p), d in sorted(plan.demand_tokens_per_s.items())]
     emit_table(pd.DataFrame(served), title="served vs demanded (demand = rate × mean tokens × capacity factor)")
@@ -36,9 +36,9 @@ def _print_plan(plan) -> None:
                f"gap {mip_gap} to the proven bound {plan.mip_bound_usd_per_hour:,.2f} "
                f"(LP bound {plan.lp_bound_usd_per_hour:,.2f}, {gap} to it), {plan.work_nodes:,} nodes of work in "
                f"{plan.solve_s:.2f} s, demand scale {plan.demand_scale:.2%}")
-    for m, rate in sorted(plan.admit_req_s.items()):
-        depth = plan.admit_depth_req.get(m)
-        peak = plan.admit_peak.get(m)
+    for m, rate in sorted(plan.admission.admit_req_s.items()):
+        depth = plan.admission.admit_depth_req.get(m)
+        peak = plan.admission.admit_peak.get(m)
         click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
                    else "") + (f", let in at most {peak[0]:.3g} req/s (a second bucket {peak[1]:,.0f} deep)" if peak
                                 else "")
@@ -89,6 +89,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
     """
     from dataclasses import replace
 
+    from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.allocation.inputs import scenario_rates
     from coral_dagster.allocation.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
@@ -118,7 +119,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
             append_snapshot(store, market)
         result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
     if as_json:
-        emit_json(result.as_dict())
+        emit_json(plan_to_doc(result))
     else:
         _print_plan(result)
 
@@ -185,16 +186,10 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
 
 
 def _harness():
-    """The allocation bench harness: `bench/allocation_harness.py` of this checkout (benches live in the repo)."""
-    import sys
+    """The allocation bench (`coral_dagster.app.allocation_bench`), imported when a bench command runs."""
+    from coral_dagster.app import allocation_bench
 
-    from coral_dagster import paths
-
-    if str(paths.REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(paths.REPO_ROOT))
-    import bench.allocation_harness as harness
-
-    return harness
+    return allocation_bench
 
 
 def print_bench(doc: dict) -> None:

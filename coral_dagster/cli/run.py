@@ -62,13 +62,14 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
 def run_summary(store, plan, result) -> dict:
     """What a person reads after `coral run`: the plan, the comparison to the previous one and to the baselines,
     the simulation, and every check as a sentence."""
+    from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.app.simulation import plan_simulation
 
     baselines = result.metadata.get("baseline_plans", {})
     table = baselines.get("cost_vs_baselines")
     infeasible = baselines["infeasible"].value if "infeasible" in baselines else {}
     return {
-        "scenario": plan.scenario, "method": plan.method, "plan_id": plan.plan_id, "plan": plan.as_dict(),
+        "scenario": plan.scenario, "method": plan.method, "plan_id": plan.plan_id, "plan": plan_to_doc(plan),
         "previous": previous_plan(store, plan),
         "baselines": [r.data for r in table.records] if table is not None else None,
         "cannot_meet_demand": {m: str(reason).split(" Fix: ")[0] for m, reason in infeasible.items()},

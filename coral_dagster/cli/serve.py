@@ -147,7 +147,8 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 
     The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
     """
-    from coral_dagster.runtime.config import SchedulerConfig, parse_split
+    from coral_dagster.layer_split import parse_split
+    from coral_dagster.runtime.config import SchedulerConfig
     from coral_dagster.runtime.roles import model_layers, model_limits, run_scheduler
 
     run_scheduler(SchedulerConfig(instance=instance, model=model, phase=phase, split=parse_split(split),
@@ -191,7 +192,8 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     headless worker (`vllm serve … --headless`). The node runs as a child leading its own process group, as under
     `serve local`: that group (vLLM's engine core and workers) dies with the node and with this command.
     """
-    from coral_dagster.runtime.config import NodeSettings, parse_layers, parse_split
+    from coral_dagster.layer_split import parse_split
+    from coral_dagster.runtime.config import NodeSettings, parse_layers
     from coral_dagster.runtime.groups import supervise
     from coral_dagster.runtime.roles import model_layers, run_engine, run_headless
 
@@ -246,7 +248,7 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
     API key, which is printed as a file path (the key itself is never printed). Each process leads its own
     process group, which dies with it and with this command.
     """
-    from coral_dagster.runtime.config import parse_split
+    from coral_dagster.layer_split import parse_split
     from coral_dagster.runtime.local import LocalDeployment, local_instances
     from coral_dagster.runtime.roles import model_layers, say, stop_on_signals
 

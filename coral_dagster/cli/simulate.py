@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from coral_dagster.allocation.types import METHODS
+from coral_dagster.vocab import METHODS
 from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table, json_option, prices_option
 from coral_dagster.errors import CoralError
 from coral_dagster.simulator.simulate import TRAFFIC

@@ -7,7 +7,7 @@ import click
 from coral_dagster.catalog.scenarios import MAX_N_MAX, MAX_RHO
 from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit, emit_json, emit_table,
                                    json_option)
-from coral_dagster.templates.types import PHASES
+from coral_dagster.vocab import PHASES
 
 
 def _template_dict(t) -> dict:

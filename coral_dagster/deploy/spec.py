@@ -279,8 +279,9 @@ def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ..
 
     name = names.coordinator_name(plan_id)
     envs = {"CORAL_MODEL": " ".join(sorted({s.template.model for s in shapes}))}
-    if plan is not None and plan.admit_req_s:
-        envs["CORAL_ADMIT"] = format_admit(plan.admit_req_s, plan.admit_depth_req, plan.admit_peak)
+    if plan is not None and plan.admission.limits:
+        adm = plan.admission
+        envs["CORAL_ADMIT"] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
     return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
                     plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import pandas as pd
 
 from coral_dagster import paths
+from coral_dagster.paths import AIC_FILE
 from coral_dagster.catalog.models import ModelSpec, model_catalog
 from coral_dagster.profiles.memory import tp_unsupported_reason
 
@@ -30,7 +31,6 @@ AIC_SEQ_TOKENS = 1024
 AIC_PREFILL_TOKENS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 AIC_DECODE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 AIC_CONTEXT_TOKENS = (128, 512, 2048, 8192)
-AIC_FILE = "aiconfigurator_layers.csv"
 log = logging.getLogger(__name__)
 _SKIP = ("embedding", "logits", "p2p")
 

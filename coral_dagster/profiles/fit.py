@@ -23,6 +23,7 @@ import pandas as pd
 from scipy.optimize import least_squares
 
 from coral_dagster import paths
+from coral_dagster.paths import FIT_FILE
 from coral_dagster.catalog.gpus import GpuType, get_gpu
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
@@ -31,8 +32,6 @@ from coral_dagster.profiles.memory import MemoryParams, fit_memory_params
 from coral_dagster.profiles.roofline import (FEATURES, GLOBAL_PARAMS, GPU_PARAMS, LINK_PARAMS, LINKS, RowParams,
                                              layer_features, layer_ms)
 from coral_dagster.profiles.sources import HELIX_NODES, helix_memory
-
-FIT_FILE = "roofline_fit.json"
 #: Where a GPU without measurements (or held out) takes its efficiencies from, in order of preference:
 #: the same chip (A10G and A40 are both GA102; A100 40/80 GB; H100/H200), then the same generation and memory
 #: kind (L4/L40S are Ada with GDDR6), then the nearest older part.

@@ -10,11 +10,8 @@ import pandas as pd
 from coral_dagster import paths
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
-from coral_dagster.profiles.aic import AIC_FILE
+from coral_dagster.paths import MEASURED_FILES
 from coral_dagster.profiles.shapes import LayerShape
-from coral_dagster.profiles.sources import HELIX_FILE, VIDUR_FILE
-
-MEASURED_FILES = (HELIX_FILE, AIC_FILE, VIDUR_FILE)
 COLUMNS = ["source", "model", "gpu", "tp", "phase", "tokens", "seq_tokens", "context_tokens", "ms_per_layer",
            "scope"]
 

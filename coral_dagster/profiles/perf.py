@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
 
 import numpy as np
 import pandas as pd
@@ -35,10 +34,8 @@ from coral_dagster.profiles.fit import RooflineFit, load_fit
 from coral_dagster.profiles.measured import load_measured
 from coral_dagster.profiles.roofline import layer_features, layer_ms
 from coral_dagster.profiles.shapes import LayerShape
+from coral_dagster.vocab import Bound, DemandPhase as Phase
 
-Phase = Literal["prefill", "decode"]
-#: Same values as `coral_dagster.templates.types.Bound` (not imported: the template builder imports this module).
-Bound = Literal["compute", "memory", "slo", "network"]
 #: Prompt length prefill batches are made of, unless a query says otherwise (aiconfigurator tables use the same).
 PREFILL_SEQ_TOKENS = 1024
 PREFILL_GRID = np.unique(np.round(np.geomspace(1, 2**24, 121)).astype(int))

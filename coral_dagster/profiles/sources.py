@@ -9,6 +9,7 @@ from pathlib import Path
 import pandas as pd
 
 from coral_dagster import paths
+from coral_dagster.paths import HELIX_FILE, VIDUR_FILE
 from coral_dagster.errors import CoralError
 
 #: Helix node directory -> (GPU type in our catalog, GPUs per node).
@@ -32,9 +33,7 @@ VIDUR_OPS = {"input_layernorm": 1, "attn_pre_proj": 1, "attn_rope": 1, "attn_pos
 VIDUR_TOKENS = sorted({b * m for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
                        for m in (1, 3)} | {32768})
 
-HELIX_FILE = "helix_llama1_30b.csv"
 HELIX_MEMORY_FILE = "helix_memory.json"
-VIDUR_FILE = "vidur_nonattention.csv"
 
 
 def _require(path: Path) -> Path:

@@ -9,8 +9,7 @@ from typing import Mapping
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import validate_layers
 from coral_dagster.runtime.limits import ModelLimits
-
-PHASES = ("aggregated", "prefill", "decode")
+from coral_dagster.vocab import PHASES
 
 
 @dataclass(frozen=True)
@@ -33,25 +32,6 @@ class Timing:
         if not 0 < self.heartbeat_s < self.dead_after_s:
             raise CoralError(f"{self.heartbeat_s=} must be positive and below {self.dead_after_s=}.",
                              "let several heartbeats fit before a peer is declared dead")
-
-
-def parse_split(text: str) -> tuple[int, ...]:
-    """`"3,5,4"` -> (3, 5, 4): layers per stage, as `VLLM_PP_LAYER_PARTITION` takes them."""
-    try:
-        split = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        split = ()
-    if not split or any(n <= 0 for n in split):
-        raise CoralError(f"layer split {text!r} is not a list of positive layer counts.", "pass e.g. --split 3,5,4")
-    return split
-
-
-def stage_ranges(split: tuple[int, ...]) -> list[tuple[int, int]]:
-    """Layer range `[start, end)` of each stage."""
-    bounds = [0]
-    for n in split:
-        bounds.append(bounds[-1] + n)
-    return list(zip(bounds[:-1], bounds[1:]))
 
 
 def parse_layers(text: str) -> tuple[int, int]:

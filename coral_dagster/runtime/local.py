@@ -19,7 +19,8 @@ from typing import Any
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime import groups, roles
 from coral_dagster.runtime.client import Client
-from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing, stage_ranges
+from coral_dagster.layer_split import stage_ranges
+from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
 from coral_dagster.runtime.security import CurveKeys
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,8 @@ import numpy as np
 import zmq
 
 from coral_dagster.runtime import wire
-from coral_dagster.runtime.config import SchedulerConfig, stage_ranges
+from coral_dagster.layer_split import stage_ranges
+from coral_dagster.runtime.config import SchedulerConfig
 from coral_dagster.runtime.security import CurveKeys, Security
 from coral_dagster.runtime.tokenizer import finish_reason
 from coral_dagster.routing import WeightedRoundRobin

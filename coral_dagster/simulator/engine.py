@@ -308,7 +308,8 @@ class Engine:
                 self._limit_context(inst)
                 self.instances.append(inst)
         self.router = Router()
-        self.admission = Admission(plan.admit_req_s, plan.admit_depth_req, plan.admit_peak) if plan.admit_req_s else None
+        adm = plan.admission
+        self.admission = Admission(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak) if adm.limits else None
         self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
         self.by_key = {i.candidate.key: i for i in self.instances}
         n = len(workload)

@@ -181,7 +181,7 @@ def write_frame(con: duckdb.DuckDBPyConnection, table: str, df: pd.DataFrame, mo
 def _frame_columns(con: duckdb.DuckDBPyConnection) -> list[tuple[str, str]]:
     """(name, SQL type) of `_coral_frame`; a column with no value to type it (an empty frame's text) is VARCHAR,
     so a table first written empty still takes rows later."""
-    return [(name, "VARCHAR" if sql_type == "NULL" else sql_type)
+    return [(name, "VARCHAR" if sql_type.strip('"') == "NULL" else sql_type)
             for name, sql_type, *_ in con.execute("DESCRIBE SELECT * FROM _coral_frame").fetchall()]
 
 

@@ -11,7 +11,7 @@ from coral_dagster.templates.optimize import (
     best_placement_fast,
     best_placement_ilp,
 )
-from coral_dagster.templates.partition import parse_pp_partition
+from coral_dagster.layer_split import parse_split
 from coral_dagster.templates.throughput import ThroughputTables
 from coral_dagster.templates.types import Stage, Template
 
@@ -95,7 +95,7 @@ def verify_template(template: Template, tables: ThroughputTables) -> list[str]:
     problems = []
     n_stages = len(template.stages)
     try:
-        parse_pp_partition(template.pp_partition, tables.n_layers, n_stages)
+        parse_split(template.pp_partition, tables.n_layers, n_stages)
     except CoralError as exc:
         problems.append(str(exc))
     used = NodeMultiset.of([n for s in template.stages for n in s.nodes])

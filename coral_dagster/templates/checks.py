@@ -5,7 +5,7 @@ from __future__ import annotations
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
 from coral_dagster.store import Store
-from coral_dagster.templates.partition import parse_pp_partition
+from coral_dagster.layer_split import parse_split
 
 
 def layer_split_problems(store: Store) -> tuple[list[str], int]:
@@ -16,7 +16,7 @@ def layer_split_problems(store: Store) -> tuple[list[str], int]:
     problems = []
     for r in df.itertuples(index=False):
         try:
-            parse_pp_partition(r.pp_partition, get_model(r.model).n_layers, int(r.n_stages))
+            parse_split(r.pp_partition, get_model(r.model).n_layers, int(r.n_stages))
         except CoralError as exc:
             problems.append(f"{r.template_id}: {exc}")
     return problems, len(df)

@@ -16,13 +16,11 @@ instance's nodes; the multiprocessing executor is what vLLM documents for multi-
 
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import Sequence
 
 from coral_dagster.errors import CoralError
 from coral_dagster.templates.types import Template
-
-ServingEngine = Literal["coral", "vllm"]
-SERVING_ENGINES: tuple[ServingEngine, ...] = ("coral", "vllm")
+from coral_dagster.vocab import SERVING_ENGINES, ServingEngine
 
 
 def vllm_violations(t: Template) -> tuple[str, ...]:

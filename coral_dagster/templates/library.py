@@ -30,7 +30,8 @@ from coral_dagster.templates.best import make_template, verify_template
 from coral_dagster.templates.optimize import Placement
 from coral_dagster.templates.sweep import sweep
 from coral_dagster.templates.throughput import ThroughputTables, build_tables, workload_for
-from coral_dagster.templates.types import PHASES, Phase, Template, stages_doc, stages_from_doc
+from coral_dagster.templates.types import Template, stages_doc, stages_from_doc
+from coral_dagster.vocab import PHASES, Phase
 
 DOMINANCE_REL_TOL = 1e-9
 TEMPLATES_TABLE = "templates"

@@ -73,7 +73,7 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.templates.queueing import (decode_rate, handoff_utilisation, prefill_utilisation, trace_kv_sequences,
                                               trace_lengths)
-from coral_dagster.templates.types import PHASES, Phase
+from coral_dagster.vocab import PHASES, Phase
 
 #: Shares of an aggregated slot given to the prefill chunk; T̂ is the best of them.
 AGGREGATED_PREFILL_FRACTIONS: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -370,11 +370,11 @@ def _decode_point(perf, spec, node: NodeConfig, w: Workload, layers: int, n_stag
 def _chunked_tokens_per_s(perf, spec, node: NodeConfig, layers: int, prompt_tokens: int, chunk_tokens: int,
                           send: float | None) -> float:
     """Tokens/s of prompts of `prompt_tokens` prefilled in chunks of `chunk_tokens`, each later chunk attending to
-    the earlier ones (`simulator.latency.ProfileStage.prompt_ms`, the engine's price), plus sending the activations;
+    the earlier ones (`profiles.stage_times.ProfileStage.prompt_ms`, the engine's price), plus sending the activations;
     infinite for a perf model without per-layer prefill times (the T̂ batch then stands alone)."""
     if not hasattr(perf, "prefill_ms_per_layer"):
         return math.inf
-    from coral_dagster.simulator.latency import ProfileStage
+    from coral_dagster.profiles.stage_times import ProfileStage
 
     ms = ProfileStage(perf, spec, node, layers, math.inf).prompt_ms(prompt_tokens, max(chunk_tokens, 1))
     if send:

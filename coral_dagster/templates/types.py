@@ -3,16 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-
-Phase = Literal["prefill", "decode", "aggregated"]
-PHASES: tuple[Phase, ...] = ("prefill", "decode", "aggregated")
-Bound = Literal["compute", "memory", "slo", "network"]
-#: The rules T̂ is computed by (`templates.throughput`, `templates.queueing`); part of every library key, so a
-#: library built under other rules is rebuilt, never reused. Change it with any change of what T̂ answers.
-T_HAT_RULES = "2026-12-01 decode hand-off as NIC load"
+from coral_dagster.vocab import Bound, Phase
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,7 @@ class BenchConfig:
     sim_trace: str = "poisson"
     sim_seed: int = 0
     sim_replan: bool = True
-    # Equal attainment (`bench.equal_attainment`): held-out seeds and seconds per seed, solver limit per solve.
+    # Equal attainment (`app.equal_attainment`): held-out seeds and seconds per seed, solver limit per solve.
     attainment_seeds: tuple[int, ...] = (11, 12, 13, 14)
     attainment_duration_s: float = 600.0
     attainment_time_limit_s: float = 30.0
@@ -273,11 +273,11 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
 
 def equal_attainment_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig) -> list[dict]:
     """Per method its fixed-demand cost and the cost at which its plan, sized by the capacity rule and the closed
-    loop, meets the attainment target on held-out windows of the scenario's traces (`bench.equal_attainment`),
+    loop, meets the attainment target on held-out windows of the scenario's traces (`app.equal_attainment`),
     with both as ratios to Coral's."""
     from types import SimpleNamespace
 
-    from bench.equal_attainment import row_for, with_ratios
+    from coral_dagster.app.equal_attainment import row_for, with_ratios
 
     args = SimpleNamespace(time_limit_s=config.attainment_time_limit_s, duration_s=config.attainment_duration_s,
                            relax="2,4")
@@ -401,7 +401,7 @@ def bench_tables(doc: dict) -> list[tuple[str, pd.DataFrame]]:
         tables.append(("allocation: cost, goodput (fluid | simulated) and solve time per method",
                        pd.DataFrame(doc["rows"]).reindex(columns=list(ROW_COLUMNS))))
     if doc.get("equal_attainment"):
-        from bench.equal_attainment import HEADER
+        from coral_dagster.app.equal_attainment import HEADER
 
         tables.append(("equal attainment: each method's cost at which its plan meets the target on held-out trace "
                        "windows, beside its fixed-demand cost", pd.DataFrame(doc["equal_attainment"]).reindex(
