@@ -203,8 +203,8 @@ def headline(rows: list[dict], default_cell) -> list[dict]:
         for b in BASELINES:
             ours = (f"{r[f'{b}_x_coral']:.2f}×" if r.get(f"{b}_x_coral") is not None else
                     f"{b} serves {r[f'{b}_served_share']:.1%}" if r.get(f"{b}_served_share") is not None else "–")
-            out.append({"figure": f"{r['scenario']}: {b} ÷ Coral "
-                                  f"({'capacity rule, held-out attainment beside' if r['rule'] == 'slo' else 'fixed demand'})",
+            basis = "capacity rule, held-out attainment beside" if r["rule"] == "slo" else "fixed demand"
+            out.append({"figure": f"{r['scenario']}: {b} ÷ Coral ({basis})",
                         "paper": None, "ours": ours, "rule": r["rule"],
                         "availability": "market profile (MARKET.md), window 0", "section": "heterogeneity"})
     return out

@@ -3,9 +3,9 @@
 
 Instances: `default` (full demand) and `A:mode` (availability ×A, scarcity mode scale or fair) per scenario.
 Methods on each: `coral` (the planner as `coral plan` runs it: Homo-ILP incumbent, column generation, reduced-cost
-fixing, the routing shares eliminated), and on `default` also `highs` (HiGHS alone on the whole ILP over every
-pruned column, the routing shares eliminated) and `highs-shares` (the same with the shares as variables, the
-original formulation): the same work limit per MIP, so their bounds and gaps compare whatever the machine's load.
+fixing), and on `default` also `highs-shares` (HiGHS alone on the whole ILP over every pruned column, the
+formulation Coral solves) and `highs` (the same with the routing shares eliminated, `ilp._projected_demand`): the
+same work limit per MIP, so their bounds and gaps compare whatever the machine's load.
 Per scenario, optionally, the wall time of a re-plan in a fresh process (`app.rounds.plan_round`, imports included).
 Targets (issue 30, on 2 cores): core default within 2% of its bound in 30 s, extended 3% in 120 s; under scarcity
 core 1% in 60 s, extended 2% in 180 s; mega 5% in 5 min. Prints a table; writes bench/results/solve_times.json.

@@ -19,8 +19,8 @@ def test_eliminating_the_shares_keeps_every_optimum(seed, regions):
     columns, _ = prune_columns(problem, prune_dominated=False)
     targets = {k: (0.6 if k[0] == "m1" else 1.0) for k, d in problem.demand_tokens_per_s.items() if d > 0}
     for goal in (None, targets):
-        projected = ilp.min_cost(problem, columns, goal, gap_rel=0.0, time_limit_s=600)
-        shares = ilp.min_cost(problem, columns, goal, gap_rel=0.0, time_limit_s=600, project=False)
+        projected = ilp.min_cost(problem, columns, goal, gap_rel=0.0, time_limit_s=600, project=True)
+        shares = ilp.min_cost(problem, columns, goal, gap_rel=0.0, time_limit_s=600)
         assert projected.status == shares.status
         if shares.status != "optimal":
             continue
@@ -39,7 +39,7 @@ def test_the_projected_ilp_finds_the_brute_force_optimum(seed):
     pairs = [(c.template, c.region) for c in columns]
     costs = [cost for counts, cost in every_plan(problem, pairs, problem.available_nodes)
              if all(v >= 1 - 1e-7 for v in routed(problem, counts).values())]
-    got = ilp.min_cost(problem, columns, gap_rel=0.0, time_limit_s=600)
+    got = ilp.min_cost(problem, columns, gap_rel=0.0, time_limit_s=600, project=True)
     if not costs:
         assert got.status == "infeasible"
         return

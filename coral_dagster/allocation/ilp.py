@@ -177,8 +177,10 @@ def _projected_demand(prob, rows: dict, problem: AllocationProblem, columns: Seq
     """C2 and C2' with the routing shares eliminated (Fourier–Motzkin), when that takes at most PROJECTED_MAX_ROWS
     rows per model: a model's requests can be routed iff Σ_r min over its phases p of S_pr / w_p ≥ 1 (S_pr its
     supply in r over D_p, w_p the target), i.e. iff for every choice of one phase per region Σ_r S_{p(r)r} / w_{p(r)}
-    ≥ 1. Exact for integer plans and the same LP; HiGHS proves the allocation ILP faster without the shares
-    (issue 30's study: 1.3–2× on core's scarcity instances). Returns False (nothing added) when too many rows."""
+    ≥ 1. Exact for integer plans and the same LP. Issue 30's study saw HiGHS prove core's scarcity instances
+    1.3–2× faster without the shares; at equal work (nodes) we measured no gain: core default at 4000 nodes per MIP,
+    Coral 5.05% vs 3.21% with the shares, HiGHS alone 7.19% vs 13.96%, core ×0.5 at 50% 15.3% vs 10.9%.
+    Returns False (nothing added) when too many rows."""
     import itertools
 
     pulp = _pulp()
@@ -251,10 +253,11 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
              *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
              overflow_weight: float | None = None, slack_usd: float | None = None,
              split: Sequence[int] | None = None, start: Sequence[float] | None = None,
-             max_nodes: int | None = None, project: bool = True) -> SolveResult:
+             max_nodes: int | None = None, project: bool = False) -> SolveResult:
     """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m, the MIP
-    exploring at most `max_nodes` nodes (the work limit; `time_limit_s` is a wall-clock safety net). An integer
-    solve writes C2 and C2' without the routing shares (`_projected_demand`) unless `project` is False.
+    exploring at most `max_nodes` nodes (the work limit; `time_limit_s` is a wall-clock safety net). With
+    `project`, an integer solve writes C2 and C2' without the routing shares (`_projected_demand`): off by
+    default, since at equal work it did not help (`bench/solve_times.py`, `highs` vs `highs-shares`).
 
     `start` (counts per column meeting the targets, e.g. the level solve's plan under scarcity) is the solver's
     first incumbent: it never returns a plan dearer than that, and prunes by its cost from the start.

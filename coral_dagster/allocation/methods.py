@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 from coral_dagster.allocation.baselines import plan_cauchy, plan_homo, plan_homo_ilp
@@ -22,8 +23,12 @@ def plan_coral(problem: AllocationProblem, scarcity_mode: Scarcity | None, time_
                              diagnose=False)
     except CoralError:  # demand cannot be met (or no plan within the limits): nothing to start from
         homo = None
-    return solve_plan(problem, scarcity_mode=scarcity_mode, time_limit_s=time_limit_s, gap_rel=gap_rel,
+    plan = solve_plan(problem, scarcity_mode=scarcity_mode, time_limit_s=time_limit_s, gap_rel=gap_rel,
                       max_nodes=max_nodes, incumbents={"the Homo-ILP plan": homo})
+    if homo is None:
+        return plan
+    return replace(plan, work_nodes=plan.work_nodes + homo.work_nodes,
+                   timings_s={**plan.timings_s, "homo_ilp_s": homo.solve_s})  # its solve is part of the work
 
 
 # method -> planner(problem, scarcity_mode, time_limit_s, gap_rel, max_nodes); the greedy baselines have no gap to

@@ -66,7 +66,8 @@ class Deployment:
             return {**self.report.as_dict(), **head, "url": self.url}
         assert self.diff is not None and self.dry is not None
         return {**head, "out": str(self.out), "yaml": [str(p) for p in self.dry.yaml_paths],
-                "script": str(self.dry.script), "commands": list(self.dry.commands), "launch": len(self.diff.nodes_to_launch()),
+                "script": str(self.dry.script), "commands": list(self.dry.commands),
+                "launch": len(self.diff.nodes_to_launch()),
                 "remove": len(self.diff.remove), "keep": list(self.diff.keep)}
 
 

@@ -168,7 +168,8 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--layers", env=Env.LAYERS, required=True, help="Layer range start:end this node holds.")
 @_opt("--stage-rank", env=Env.STAGE_RANK, type=int, required=True, help="Stage index in the instance.")
 @_endpoint("--scheduler", Env.SCHEDULER, "tcp://127.0.0.1:5600", "The instance scheduler's ZeroMQ endpoint.")
-@_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:*", "ZeroMQ endpoint for activations and KV (port * = any free one).")
+@_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:*",
+           "ZeroMQ endpoint for activations and KV (port * = any free one).")
 @_opt("--advertise", env=Env.ADVERTISE, default="", help="Address peers should use, if not the bound one.")
 @_opt("--share", env=Env.SHARE, type=FiniteFloat(0.0, 1.0), default=1.0, show_default=True,
       help="This node's share of its stage.")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Mapping
 
 import pandas as pd

@@ -138,7 +138,8 @@ def _check_fields(body: dict[str, Any], kind: str) -> None:
                 continue
             raise _bad(name, f"{name}={value!r} is not supported; leave it out (Coral serves "
                              f"{', '.join(sorted(FIELDS[kind]))})")
-        raise _bad(name, f"unknown or unsupported field {name!r} for {'/v1/chat/completions' if kind == 'chat' else '/v1/completions'}; "
+        route = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        raise _bad(name, f"unknown or unsupported field {name!r} for {route}; "
                          f"supported: {', '.join(sorted(FIELDS[kind]))}")
 
 

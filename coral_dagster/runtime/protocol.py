@@ -120,7 +120,7 @@ class Shape:
                                     f"{' or '.join(_NAMES[t] for t in types)}.", "send the type the protocol names")
 
 
-S, I, N, B, L, D, NONE = (str,), (INT,), (NUMBER,), (bool,), (list,), (dict,), (type(None),)
+S, I, N, B, L, D, NONE = (str,), (INT,), (NUMBER,), (bool,), (list,), (dict,), (type(None),)  # noqa: E741 - one-letter JSON types keep the shape table legible
 _RID = {"rid": S}
 _INSTANCE = {"instance": S}
 _NODE = {"node": S}
@@ -132,7 +132,8 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
         Kind.ADMIT: Shape(optional={"admit": S}), Kind.STATUS: Shape(),
     },
     Link.COORDINATOR_TO_CLIENT: {
-        Kind.ACCEPTED: Shape(_RID, {"instances": D, "attempt": I}), Kind.TOKEN: Shape(_RID, {"token": I, "index": I, "logprobs": L + NONE}),
+        Kind.ACCEPTED: Shape(_RID, {"instances": D, "attempt": I}),
+        Kind.TOKEN: Shape(_RID, {"token": I, "index": I, "logprobs": L + NONE}),
         Kind.DONE: Shape(_RID, {"tokens": L}), Kind.ERROR: Shape({"problem": S}, {"status": I}),
         Kind.DRAINING: Shape({"instance": S}), Kind.ADMITTED: Shape({"admit": S}), Kind.STATUS: Shape({"models": L}),
     },
@@ -249,8 +250,8 @@ class Env(StrEnum):
     MAX_MODEL_LEN = "CORAL_MAX_MODEL_LEN"
     GPU_MEMORY_UTILIZATION = "CORAL_GPU_MEMORY_UTILIZATION"
     ENFORCE_EAGER = "CORAL_ENFORCE_EAGER"
-    # Read by SkyPilot task scripts on GPU nodes or by libraries, not by an option: whether this node also runs its scheduler
-    # (sky_tasks/engine.yaml), the vLLM build to install (sky_tasks/setup_node.sh), what `coral profile run`
+    # Read by SkyPilot task scripts on GPU nodes or by libraries, not by an option: whether this node also runs its
+    # scheduler (sky_tasks/engine.yaml), the vLLM build to install (sky_tasks/setup_node.sh), what `coral profile run`
     # measures (sky_tasks/profile.yaml).
     HEAD = "CORAL_HEAD"
     # Where `runtime/hf_export.py` keeps the tiny models it exports for vLLM.
