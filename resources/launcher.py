@@ -18,14 +18,15 @@ class SkyPilotLauncher(dg.ConfigurableResource):
     def deploy(self, store, plan, prices) -> dict:
         """Dry run: the diff against the recorded deployment, as YAMLs and commands. Otherwise: reconcile.
         `prices` are the rows of the plan's own market snapshot."""
+        from coral_dagster.app.plans import plan_engine
         from coral_dagster.deploy import state
         from coral_dagster.deploy.names import plan_tag
         from coral_dagster.deploy.dry_run import write_dry_run
         from coral_dagster.deploy.reconcile import plan_diff, reconcile
 
-        plan_id = plan.plan_id
+        plan_id, engine = plan.plan_id, plan_engine(store, plan)
         if self.dry_run:
-            diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
+            diff = plan_diff(plan, plan_id, state.read_nodes(store), prices, engine)
             dry = write_dry_run(diff, Path(self.out_dir) / plan_tag(plan_id))
             return {"dry_run": True, "yaml": [str(p) for p in dry.yaml_paths], "script": str(dry.script),
                     "commands": list(dry.commands),
@@ -34,4 +35,4 @@ class SkyPilotLauncher(dg.ConfigurableResource):
         from coral_dagster.deploy.sky_adapter import SkyLauncher
 
         return reconcile(plan, plan_id, store, SkyLauncher(), CoordinatorDrainer(), prices,
-                         self.drain_timeout_s).as_dict()
+                         self.drain_timeout_s, engine).as_dict()

@@ -82,7 +82,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     """
     from coral_dagster import paths
     from coral_dagster.app.deployment import snapshot_prices
-    from coral_dagster.app.plans import plan_label
+    from coral_dagster.app.plans import plan_engine, plan_label
     from coral_dagster.deploy import state
     from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy.names import plan_tag
@@ -92,11 +92,11 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
 
     store = Store(db_path)
     plan = _load_plan(store, plan_ref, scenario, method)
-    plan_id, label = plan.plan_id, plan_label(plan)
+    plan_id, label, engine = plan.plan_id, plan_label(plan), plan_engine(store, plan)
     prices, priced_from = snapshot_prices(store, plan)
     cost = deployment_cost(plan, plan_id, prices, priced_from)
     if dry_run:
-        diff = plan_diff(plan, plan_id, state.read_nodes(store), prices)
+        diff = plan_diff(plan, plan_id, state.read_nodes(store), prices, engine)
         out = Path(out_dir) if out_dir else paths.REPO_ROOT / "out" / "deploy" / plan_tag(plan_id)
         dry = write_dry_run(diff, out)
         actions = _actions(diff)
@@ -122,7 +122,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     from coral_dagster.deploy.sky_adapter import SkyLauncher
 
     report = reconcile(plan, plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
-                       prices, drain_timeout_s)
+                       prices, drain_timeout_s, engine)
     url = _endpoint(state.read_nodes(store))
     if as_json:
         emit_json({**report.as_dict(), "plan_usd_per_hour": round(plan.cost_usd_per_hour, 4), **cost.as_dict(),
