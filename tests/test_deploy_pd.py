@@ -189,3 +189,18 @@ def test_vllm_parses_each_pd_node_into_its_kv_transfer_config(tmp_path):
         connector, role, engine_id, producer, consumer = parsed[n.cluster_name]
         assert (connector, role, engine_id) == ("NixlConnector", ROLE[n.phase], n.instance_id)
         assert (producer, consumer) == (n.phase == "prefill", n.phase == "decode")
+
+
+def test_launch_deploys_a_plan_with_the_engine_it_was_planned_for(tmp_path):
+    """`coral launch` reads the engine `coral plan --engine` recorded; else the scenario's; a plan file of a
+    scenario not at hand runs on Coral's runtime, which runs every template."""
+    from dataclasses import replace
+
+    from coral_dagster.allocation.storage import store_plan
+    from coral_dagster.app.plans import plan_engine
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    store = Store(tmp_path / "plans.duckdb")
+    assert plan_engine(store, store_plan(store, P, "r1", {"engine": "vllm"})) == "vllm"
+    assert plan_engine(store, store_plan(store, P, "r2", {})) == load_scenario(P.scenario).engine
+    assert plan_engine(store, replace(P, scenario="nowhere", plan_id="file-x")) == "coral"

@@ -52,8 +52,14 @@ def _inputs(store: Store, plan: Plan) -> dict:
 
 def plan_engine(store: Store, plan: Plan) -> str:
     """The serving engine a plan was made for (its deployment runs PD templates through it): as recorded, else the
-    scenario's."""
-    return _inputs(store, plan).get("engine") or scenario_of(store, plan).engine
+    scenario's; `coral`, the runtime that runs every template, for a plan file whose scenario is not at hand."""
+    recorded = _inputs(store, plan).get("engine")
+    if recorded:
+        return recorded
+    try:
+        return scenario_of(store, plan).engine
+    except CoralError:
+        return "coral"
 
 
 def scenario_of(store: Store, plan: Plan) -> Scenario:
