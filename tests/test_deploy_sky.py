@@ -171,6 +171,17 @@ def _catalog(home: Path) -> None:
                  ).to_csv(root / "common" / "accelerators.csv", index=False)
 
 
+def run_sky(code: str, payload: dict, home: Path) -> subprocess.CompletedProcess:
+    """`code` in a child Python reading `payload` as JSON on stdin, with HOME at `home` (its SkyPilot catalog)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT")}
+    env.pop("SKY_RUNTIME_DIR", None)
+    env["HOME"] = str(home)
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(payload), capture_output=True, text=True,
+                          cwd=paths.REPO_ROOT, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-8000:]
+    return done
+
+
 def _zones(row) -> list[str]:
     """The zones the raw CSV lists for a price row's instance type (GCP: its accelerator rows' zones)."""
     cloud, region = row.region.split(":")
@@ -210,12 +221,7 @@ def probe(tmp_path_factory):
                "request": {"cluster_name": engine.cluster_name, "config": dict(engine.config),
                            "secret_names": list(engine.secret_names)},
                "environ": SENTINEL}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT")}
-    env.pop("SKY_RUNTIME_DIR", None)
-    env["HOME"] = str(home)
-    done = subprocess.run([sys.executable, "-c", PROBE], input=json.dumps(payload), capture_output=True, text=True,
-                          cwd=paths.REPO_ROOT, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-8000:]
+    done = run_sky(PROBE, payload, home)
     result = json.loads(done.stdout)
     result["_stderr"] = done.stderr
     result["_diff"] = diff

@@ -32,13 +32,16 @@ def test_each_engine_runs_what_vllm_can():
     one_per_stage = {p: _template(p, [[A], [B]]) for p in ("prefill", "decode", "aggregated")}
     shared_stage = _template("prefill", [[A, B], [A]])
     mixed_tp = _template("aggregated", [[A], [C]])
-    every = [*one_per_stage.values(), shared_stage, mixed_tp]
+    one_stage_decode = _template("decode", [[A]])
+    every = [*one_per_stage.values(), shared_stage, mixed_tp, one_stage_decode]
     assert runnable("coral", every) == tuple(every)
     assert runnable("vllm-aggregated", every) == (one_per_stage["aggregated"],)
-    assert runnable("vllm", every) == tuple(one_per_stage.values())
+    # A pipelined decode instance cannot take KV through NixlConnector (V4); a one-stage one can.
+    assert runnable("vllm", every) == (one_per_stage["prefill"], one_per_stage["aggregated"], one_stage_decode)
     # The rules that keep a template off vLLM name themselves; a connector lifts only V3.
     assert [v[:2] for v in vllm_violations(one_per_stage["decode"])] == ["V3"]
-    assert vllm_violations(one_per_stage["decode"], "NixlConnector") == ()
+    assert [v[:2] for v in vllm_violations(one_per_stage["decode"], "NixlConnector")] == ["V4"]
+    assert vllm_violations(one_per_stage["decode"], "ExampleConnector") == ()
     assert [v[:2] for v in vllm_violations(shared_stage, "NixlConnector")] == ["V1"]
     assert [v[:2] for v in vllm_violations(mixed_tp, "NixlConnector")] == ["V2"]
     with pytest.raises(CoralError, match="unknown serving engine 'trt'"):

@@ -131,11 +131,12 @@ def _stream(url: str, body: dict) -> list[int]:
     return tokens
 
 
-def _serve_local_vllm(env: dict[str, str], log_dir: Path, port: int) -> tuple[subprocess.Popen, dict]:
-    """`coral serve local --engine vllm` with one instance, and its ready line."""
+def _serve_local_vllm(env: dict[str, str], log_dir: Path, port: int,
+                      layout: tuple[str, ...] = ("--instances", "1")) -> tuple[subprocess.Popen, dict]:
+    """`coral serve local --engine vllm` with one instance (or `layout`), and its ready line."""
     proc = subprocess.Popen(
         [str(Path(env["VIRTUAL_ENV"]) / "bin" / "coral"), "serve", "local", "--engine", "vllm", "--model",
-         "tiny-llama", "--instances", "1", "--port", str(port), "--json", "--ready-timeout-s", "400", "--api-key", API_KEY,
+         "tiny-llama", *layout, "--port", str(port), "--json", "--ready-timeout-s", "400", "--api-key", API_KEY,
          "--log-dir", str(log_dir), "--vllm-args", " ".join(SMALL)],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     ready = json.loads(proc.stdout.readline() or "{}")
@@ -166,6 +167,31 @@ def test_coral_serve_local_with_vllm_matches_the_torch_engine(node_env, tmp_path
         with_eos = _post(url, {"model": "tiny-llama", "prompt": "Hello, Coral", "max_tokens": 40, "temperature": 0})
         assert tuple(with_eos["choices"][0]["token_ids"]) == stop.tokens
         assert with_eos["choices"][0]["finish_reason"] == stop.finish_reason
+    finally:
+        _stop(proc)
+
+
+def test_a_pd_pair_of_vllm_instances_hands_the_kv_over_through_its_connector(node_env, tmp_path):
+    """`serve local --engine vllm --pd`: the coordinator sends each request to the vLLM prefill instance (one
+    token, ExampleConnector writing the prompt's KV under the log folder), then to the vLLM decode instance with the
+    prompt and that token, whose connector loads the KV (vLLM logs the hit; the files are there): greedy tokens equal
+    the torch engine's, several requests at once."""
+    port = free_port()
+    proc, ready = _serve_local_vllm(node_env, tmp_path, port, ("--pd", "--instances", "2"))
+    try:
+        assert sorted(i["phase"] for i in ready["instances"]) == ["decode", "prefill"]
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        # Longer than one KV block (vLLM's CPU block size), so there is KV to hand over.
+        prompts = [f"{w} handed from a prefill instance to a decode instance, block by block. " * 5
+                   for w in ("KV", "Cache")]
+        expected = [generate("tiny-llama", p, 16, ignore_eos=True).tokens for p in prompts]
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda p: _post(url, {"model": "tiny-llama", "prompt": p, "max_tokens": 16,
+                                                       "ignore_eos": True, "temperature": 0}), prompts))
+        assert [tuple(r["choices"][0]["token_ids"]) for r in got] == expected
+        hits = (tmp_path / "decode-0.vllm.log").read_text().count("External Cache Hit!")
+        assert hits >= len(prompts)
+        assert len([p for p in (tmp_path / "kv").iterdir() if p.is_dir()]) >= len(prompts)
     finally:
         _stop(proc)
 

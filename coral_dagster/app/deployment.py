@@ -75,23 +75,26 @@ def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None =
            drain_timeout_s: float = 600.0, retry_until_up: bool = False) -> Deployment:
     """Deploy `plan` (its own `plan_id`), priced from its own snapshot: a dry run writes the diff against the
     recorded deployment as task YAMLs and commands into `out` (default `default_out`); otherwise reconcile through
-    SkyPilot, draining removed instances for up to `drain_timeout_s`."""
+    SkyPilot, draining removed instances for up to `drain_timeout_s`. Instances run on the plan's engine
+    (`app.plans.plan_engine`): under `vllm`, its prefill and decode templates as vLLM PD instances."""
     from coral_dagster.deploy import state
     from coral_dagster.deploy.cost import deployment_cost
     from coral_dagster.deploy.dry_run import write_dry_run
+    from coral_dagster.app.plans import plan_engine
     from coral_dagster.deploy.reconcile import plan_diff, reconcile
 
+    engine = plan_engine(store, plan)
     prices, source = snapshot_prices(store, plan)
     cost = deployment_cost(plan, plan.plan_id, prices, source)
     if dry_run:
-        diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices)
+        diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices, engine)
         folder = out or default_out(plan.plan_id)
         return Deployment(plan, source, cost, diff=diff, dry=write_dry_run(diff, folder), out=folder)
     from coral_dagster.deploy.drain import CoordinatorDrainer
     from coral_dagster.deploy.sky_adapter import SkyLauncher
 
     report = reconcile(plan, plan.plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
-                       prices, drain_timeout_s)
+                       prices, drain_timeout_s, engine)
     return Deployment(plan, source, cost, report=report, url=endpoint(state.read_nodes(store)))
 
 

@@ -42,13 +42,30 @@ def find_plan(store: Store, scenario: Scenario | str, method: str = "coral") -> 
         return None
 
 
+def _inputs(store: Store, plan: Plan) -> dict:
+    """What `coral plan` recorded it was asked for (scenario file, engine, …); empty for an unstored plan."""
+    if plan.plan_id and "plans" in store.tables():
+        rows = store.query("SELECT inputs_json FROM plans WHERE plan_id = ?", [plan.plan_id])
+        return json.loads(rows["inputs_json"].iloc[0]) if not rows.empty else {}
+    return {}
+
+
+def plan_engine(store: Store, plan: Plan) -> str:
+    """The serving engine a plan was made for (its deployment runs PD templates through it): as recorded, else the
+    scenario's; `coral`, the runtime that runs every template, for a plan file whose scenario is not at hand."""
+    recorded = _inputs(store, plan).get("engine")
+    if recorded:
+        return recorded
+    try:
+        return scenario_of(store, plan).engine
+    except CoralError:
+        return "coral"
+
+
 def scenario_of(store: Store, plan: Plan) -> Scenario:
     """The scenario a plan was made for: the file it was planned from (or the bundled one of its name), with the
     engine it was planned for; raises when that file now holds other settings than the plan's."""
-    inputs = {}
-    if plan.plan_id and "plans" in store.tables():
-        rows = store.query("SELECT inputs_json FROM plans WHERE plan_id = ?", [plan.plan_id])
-        inputs = json.loads(rows["inputs_json"].iloc[0]) if not rows.empty else {}
+    inputs = _inputs(store, plan)
     path = inputs.get("scenario_path") or ""
     scn = load_scenario(path if path and Path(path).is_file() else plan.scenario)
     if plan.scenario_key and scn.scenario_key != plan.scenario_key:

@@ -67,6 +67,8 @@ _VLLM_FLAGS = [
         type=FiniteFloat(0.0, 1.0, low_open=True), default=0.9, show_default=True,
         help="vLLM: share of GPU memory for weights, activations and KV cache.")),
     ("--enforce-eager", Env.ENFORCE_EAGER, dict(is_flag=True, help="vLLM: no CUDA graphs or compilation.")),
+    ("--kv-transfer-config", Env.KV_TRANSFER_CONFIG, dict(
+        default="", help="vLLM: a PD instance's --kv-transfer-config JSON (templates/engines.py writes it).")),
 ]
 
 
@@ -87,6 +89,21 @@ def _vllm_launch(text: str) -> dict[str, Any]:
         raise CoralError(f"--vllm-args {text!r}: {exc.format_message()}",
                          f"pass valid values of these flags only: {', '.join(n for n, _, _ in _VLLM_FLAGS)}") from None
     return {k: v for k, v in ctx.params.items() if ctx.get_parameter_source(k) is ParameterSource.COMMANDLINE}
+
+
+def _local_kv_transfer(log_dir: str | None) -> dict[str, str]:
+    """Each phase's `--kv-transfer-config` for vLLM PD instances on this machine: ExampleConnector, the connector
+    that runs on every vLLM build (`templates/engines.py`), its KV files under the log folder (or a temporary one)."""
+    import tempfile
+    from pathlib import Path
+
+    from coral_dagster.templates.engines import KV_ROLES, vllm_kv_transfer_config
+
+    storage = str(Path(log_dir) / "kv") if log_dir else tempfile.mkdtemp(prefix="coral-kv-")
+    return {phase: json.dumps(vllm_kv_transfer_config(phase, "ExampleConnector", engine_id=f"local-{phase}",
+                                                      extra={"shared_storage_path": storage}),
+                              separators=(",", ":"))
+            for phase in KV_ROLES}
 
 
 @click.group("serve", context_settings={"help_option_names": ["-h", "--help"]})
@@ -190,7 +207,8 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, scheduler: str, listen: str,
                advertise: str, share: float, engine_kind: str, split: str, tp: int, device: str | None,
                node_rank: int, vllm_head: str, vllm_port: int, max_model_len: int, gpu_memory_utilization: float,
-               enforce_eager: bool, restart: bool, insecure: bool, as_json: bool, **kw: Any) -> None:
+               enforce_eager: bool, kv_transfer_config: str, restart: bool, insecure: bool, as_json: bool,
+               **kw: Any) -> None:
     """Hold layers [start, end) of the model, run batched forwards and pass activations to the next stage.
 
     With `--engine vllm` the node is the head of a vLLM pipeline over the instance's nodes (the whole model,
@@ -206,7 +224,8 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     start, end = parse_layers(layers)
     split_t = parse_split(split) if split else ()
     launch = dict(tp=tp, master_addr=vllm_head, master_port=vllm_port, max_model_len=max_model_len,
-                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager)
+                  gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
+                  kv_transfer_config=kv_transfer_config)
     if engine_kind == "vllm" and node_rank > 0:
         name, target, kwargs = f"vllm rank {node_rank}", run_headless, dict(
             model=model, split=split_t, node_rank=node_rank, launch=launch)
@@ -228,7 +247,8 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
 @click.option("--split", default=None, help="Layers per stage (torch default 3,5,4; vllm default one stage).")
 @click.option("--instances", type=int, default=2, show_default=True,
               help="Instances; with --pd half (rounded up) prefill, the rest decode.")
-@click.option("--pd", is_flag=True, help="Disaggregate prefill and decode, handing KV over node to node.")
+@click.option("--pd", is_flag=True, help="Disaggregate prefill and decode, handing KV over node to node (vLLM: "
+                                         "through its ExampleConnector, files under the log folder).")
 @click.option("--decode-split", default=None, help="Layers per stage of decode instances (default: --split).")
 @click.option("--stage-nodes", default=None,
               help="Engine nodes per stage, e.g. 1,2,1 (default one each; decode instances with their own split "
@@ -258,14 +278,14 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
     from coral_dagster.runtime.local import LocalDeployment, local_instances
     from coral_dagster.runtime.roles import model_layers, say, stop_on_signals
 
-    if engine_kind == "vllm" and (pd or stage_nodes):
-        raise CoralError("a vLLM instance runs aggregated with one node per stage.",
-                         "drop --pd and --stage-nodes with --engine vllm")
+    if engine_kind == "vllm" and stage_nodes:
+        raise CoralError("a vLLM instance runs one node per stage.", "drop --stage-nodes with --engine vllm")
     split = split or (str(model_layers(model)) if engine_kind == "vllm" else "3,5,4")
     layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
                              parse_split(stage_nodes) if stage_nodes else ())
     dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), log_dir=log_dir,
-                          api_key=api_key, restart=restart, engine=engine_kind, vllm_launch=_vllm_launch(vllm_args))
+                          api_key=api_key, restart=restart, engine=engine_kind, vllm_launch=_vllm_launch(vllm_args),
+                          kv_transfer=_local_kv_transfer(log_dir) if engine_kind == "vllm" and pd else {})
     stop = threading.Event()
     stop_on_signals(stop)
     try:

@@ -49,10 +49,12 @@ class DryRun:
 
 
 def kind_name(node: NodeSpec) -> str:
-    """`role[-head]-cloud-region[-node][-spot]`, as a file-name slug: an instance head differs from the nodes
-    wired to it (it also runs the scheduler and opens the engine's port)."""
-    parts = [node.role, "head" if node.role == "engine" and node.runs_scheduler else "", node.cloud,
-             node.cloud_region, node.node, "spot" if node.use_spot else ""]
+    """`role[-head][-phase]-cloud-region[-node][-spot]`, as a file-name slug: an instance head differs from the
+    nodes wired to it (it also runs the scheduler and opens the engine's port), and a vLLM PD instance's node
+    (`vllm-prefill`, `vllm-decode`: connector envs, its handshake port) from an aggregated one."""
+    pd = node.role == "vllm" and "CORAL_KV_TRANSFER_CONFIG" in node.env()
+    parts = [node.role, "head" if node.role == "engine" and node.runs_scheduler else "", node.phase if pd else "",
+             node.cloud, node.cloud_region, node.node, "spot" if node.use_spot else ""]
     return re.sub(r"[^a-z0-9]+", "-", "-".join(p for p in parts if p).lower()).strip("-")
 
 

@@ -109,14 +109,15 @@ def _recorded_instances(records: pd.DataFrame) -> list[_Recorded]:
     return [_Recorded(str(iid), g) for iid, g in rows.groupby("instance_id", sort=True)]
 
 
-def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFrame) -> Diff:
+def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFrame, engine: str = "coral") -> Diff:
     """Compare the plan with the recorded deployment; pure (reads nothing, writes nothing).
 
     Instances match across plans by fingerprint (template, layer split, node order, region, spot): of the
     recorded active replicas of a fingerprint the lowest-numbered `count` stay, the rest go; missing replicas
-    are launched under the smallest free replica numbers with names from this plan.
+    are launched under the smallest free replica numbers with names from this plan. `engine` is the one the plan
+    was made for (`app.plans.plan_engine`): under `vllm` its prefill and decode instances are vLLM PD instances.
     """
-    shapes = instance_shapes(plan, prices)
+    shapes = instance_shapes(plan, prices, engine)
     recorded = _recorded_instances(records)
     ours = records.plan_id == plan_id
     next_index = int(records.loc[ours, "instance_index"].max()) + 1 if ours.any() else 0
@@ -229,7 +230,8 @@ class _Run:
 
 
 def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, drainer: Drainer,
-              prices: pd.DataFrame | None = None, drain_timeout_s: float = 600.0) -> ReconcileReport:
+              prices: pd.DataFrame | None = None, drain_timeout_s: float = 600.0,
+              engine: str = "coral") -> ReconcileReport:
     """Make the running deployment match `plan`; running it again with the same plan changes nothing.
 
     Order: the coordinator (when none is live), then every new or unfinished instance, then removals, so
@@ -239,7 +241,7 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
         from coral_dagster.catalog.prices import load_node_prices
         prices = load_node_prices()
     records = state.read_nodes(store)
-    diff = plan_diff(plan, plan_id, records, prices)
+    diff = plan_diff(plan, plan_id, records, prices, engine)
     run = _Run(store, f"{state.now_utc():%Y%m%dT%H%M%S%f}-{plan_tag(plan_id)}", diff.addresses)
     settled = set(records.cluster_name[records.status.isin(state.SETTLED)])
     known = set(records.cluster_name)

@@ -15,7 +15,7 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.deploy import names
 from coral_dagster.errors import CoralError
 from coral_dagster.routing import instance_weight
-from coral_dagster.templates.engines import vllm_violations
+from coral_dagster.templates.engines import KV_ROLES, engine_connector, vllm_kv_transfer_config, vllm_violations
 from coral_dagster.templates.types import Template
 
 Role = Literal["coordinator", "engine", "vllm"]
@@ -31,6 +31,9 @@ VLLM_MASTER_PORT = 29501
 # A Coral-runtime head's engine port (sky_tasks/engine.yaml): its scheduler holds CORAL_PORT, the address the
 # other nodes are given, and its engine takes the next one.
 HEAD_ENGINE_PORT = CORAL_PORT + 1
+# NixlConnector's handshake port on each node of a PD vLLM instance (vLLM 0.32's default, `vllm/envs.py`
+# VLLM_NIXL_SIDE_CHANNEL_PORT; the port is this plus the data-parallel index, and instances here have no DP).
+NIXL_SIDE_CHANNEL_PORT = 5600
 
 
 @dataclass(frozen=True)
@@ -54,13 +57,17 @@ class InstanceShape:
     count: int
     prices: tuple[NodePrice, ...]
     route_weight: float = 0.0  # the routing policy's weight of one instance (`coral_dagster.routing`)
+    # vLLM's KV-transfer connector a prefill or decode template hands KV over with (None: Coral's runtime, or an
+    # aggregated template).
+    kv_connector: str | None = None
 
     @property
     def fingerprint(self) -> str:
         """Hash of everything a running instance embodies: template, layer split, node order, region, spot."""
         stages = [[s.start, s.end, [str(n) for n in s.nodes], [round(x, 9) for x in s.shares]]
                   for s in self.template.stages]
-        doc = json.dumps([self.template.template_id, self.region, stages, self.use_spot], sort_keys=True)
+        parts = [self.template.template_id, self.region, stages, self.use_spot]
+        doc = json.dumps(parts + ([self.kv_connector] if self.kv_connector else []), sort_keys=True)
         return hashlib.sha1(doc.encode()).hexdigest()[:12]
 
     def price_of(self, node: NodeConfig) -> NodePrice:
@@ -146,9 +153,12 @@ def _price_index(prices: pd.DataFrame) -> dict[tuple[str, NodeConfig], NodePrice
     return out
 
 
-def instance_shapes(plan: Plan, prices: pd.DataFrame) -> tuple[InstanceShape, ...]:
-    """Each planned (template, region) with its node prices, in a stable order; instances of 0 are dropped."""
+def instance_shapes(plan: Plan, prices: pd.DataFrame, engine: str = "coral") -> tuple[InstanceShape, ...]:
+    """Each planned (template, region) with its node prices, in a stable order; instances of 0 are dropped. Under
+    an `engine` with a KV-transfer connector (`vllm`) the prefill and decode templates vLLM can run hand their KV
+    over through it."""
     index = _price_index(prices)
+    connector = engine_connector(engine)
     shapes = []
     for inst in plan.instances:
         if inst.count <= 0:
@@ -168,7 +178,10 @@ def instance_shapes(plan: Plan, prices: pd.DataFrame) -> tuple[InstanceShape, ..
             _rate(p, use_spot)
         weight = instance_weight(inst.template.phase, inst.template.tokens_per_s, plan.demand_tokens_per_s,
                                  inst.template.model)
-        shapes.append(InstanceShape(inst.template, inst.region, use_spot, inst.count, tuple(node_prices), weight))
+        pd_connector = connector if inst.template.phase in KV_ROLES and not vllm_violations(inst.template, connector) \
+            else None
+        shapes.append(InstanceShape(inst.template, inst.region, use_spot, inst.count, tuple(node_prices), weight,
+                                    pd_connector))
     shapes.sort(key=lambda s: (s.template.model, s.template.phase, s.region, s.template.template_id, s.fingerprint))
     fps = [s.fingerprint for s in shapes]
     if len(set(fps)) != len(fps):
@@ -201,7 +214,8 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
 
     A template vLLM can run (`templates/engines.py`) becomes one vLLM pipeline: a cluster per stage node, the
     head (rank 0) running the instance's scheduler and vLLM's serving engine, the others vLLM's headless workers
-    wired to the head's address. Any other template runs on Coral's runtime: one engine cluster per node
+    wired to the head's address; a prefill or decode one (`shape.kv_connector`) also gets its `--kv-transfer-config`
+    (`_kv_envs`). Any other template runs on Coral's runtime: one engine cluster per node
     (layers, stage, share, split), the head (stage 0, node 0) also running the scheduler the others are wired
     to. Either way an instance is exactly its GPU nodes.
     """
@@ -211,7 +225,7 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
     common = dict(slot=slot, instance_id=instance_id, plan_id=plan_id, region=shape.region, model=t.model,
                   phase=t.phase, template_id=t.template_id, replica=replica, instance_index=index,
                   use_spot=shape.use_spot)
-    if not vllm_violations(t):
+    if not vllm_violations(t, shape.kv_connector):
         return _vllm_instance(shape, replica, plan_id, index, instance_id, slot, common)
     stage_names = [[names.engine_name(plan_id, t.model, t.phase, index, s, k) for k in range(len(stage.nodes))]
                    for s, stage in enumerate(t.stages)]
@@ -256,12 +270,26 @@ def _vllm_instance(shape: InstanceShape, replica: int, plan_id: str, index: int,
             "CORAL_NODE_RANK": str(rank),
             "CORAL_VLLM_PORT": str(VLLM_MASTER_PORT),
             "VLLM_PP_LAYER_PARTITION": t.pp_partition,
+            **_kv_envs(shape, instance_id),
         }
         nodes.append(NodeSpec(cluster_name=cluster_names[rank], role="vllm", stage=rank, node_index=0,
                               node=str(node), instance_type=price.instance_type,
                               usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
                               wires=(("CORAL_VLLM_HEAD", (cluster_names[0],)),) if rank else (), **common))
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(nodes))
+
+
+def _kv_envs(shape: InstanceShape, instance_id: str) -> dict[str, str]:
+    """A PD vLLM instance's connector settings, the same on every node (vLLM builds the connector on each rank):
+    its `--kv-transfer-config` (`CORAL_KV_TRANSFER_CONFIG`: role from the phase, the instance id as the engine id
+    its peers know it by) and, for NixlConnector, the handshake port (the task sets the host to the node's IP)."""
+    if shape.kv_connector is None:
+        return {}
+    config = vllm_kv_transfer_config(shape.template.phase, shape.kv_connector, engine_id=instance_id)
+    envs = {"CORAL_KV_TRANSFER_CONFIG": json.dumps(config, sort_keys=True, separators=(",", ":"))}
+    if shape.kv_connector == "NixlConnector":
+        envs["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL_PORT)
+    return envs
 
 
 def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
@@ -288,9 +316,9 @@ def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ..
                     plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))
 
 
-def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame) -> tuple[NodeSpec, ...]:
+def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame, engine: str = "coral") -> tuple[NodeSpec, ...]:
     """Every cluster of the plan deployed from nothing, in launch order: the coordinator, then each instance."""
-    shapes = instance_shapes(plan, prices)
+    shapes = instance_shapes(plan, prices, engine)
     if not shapes:
         return ()
     nodes = [build_coordinator(plan_id, coordinator_region(shapes), shapes, plan)]

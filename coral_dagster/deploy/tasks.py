@@ -11,7 +11,8 @@ from typing import Any, Mapping
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.deploy.spec import CORAL_PORT, GPU_ROLES, HEAD_ENGINE_PORT, HTTP_PORT, VLLM_MASTER_PORT, NodeSpec
+from coral_dagster.deploy.spec import (CORAL_PORT, GPU_ROLES, HEAD_ENGINE_PORT, HTTP_PORT, NIXL_SIDE_CHANNEL_PORT,
+                                       VLLM_MASTER_PORT, NodeSpec)
 from coral_dagster.errors import CatalogError, CoralError
 
 SKY_TASKS_DIR = paths.REPO_ROOT / "sky_tasks"
@@ -61,12 +62,14 @@ def wiring(node: NodeSpec, coordinator_cluster: str | None) -> dict[str, tuple[s
 
 
 def ports(node: NodeSpec) -> int | list[int]:
-    """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes), the engine's own
-    beside the scheduler's (a Coral-runtime head), or the HTTP front door clients call (the coordinator)."""
+    """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes) and NixlConnector's
+    handshake port (its PD instances' nodes), the engine's own beside the scheduler's (a Coral-runtime head), or
+    the HTTP front door clients call (the coordinator)."""
     if node.role == "coordinator":
         return [CORAL_PORT, HTTP_PORT]
     if node.role == "vllm":
-        return [CORAL_PORT, VLLM_MASTER_PORT]
+        nixl = [NIXL_SIDE_CHANNEL_PORT] if "VLLM_NIXL_SIDE_CHANNEL_PORT" in node.env() else []
+        return [CORAL_PORT, VLLM_MASTER_PORT, *nixl]
     if node.role == "engine" and node.runs_scheduler:
         return [CORAL_PORT, HEAD_ENGINE_PORT]
     return CORAL_PORT

@@ -498,7 +498,11 @@ class Coordinator:
         elif decode is None:
             self._retry_or_fail(r, f"decode instance {r.instances.get('decode')} went away", now)
         else:
-            wire.send(self.router, {"kind": "first_token", "rid": r.rid, "token": token}, to=decode.ident)
+            msg = {"kind": "first_token", "rid": r.rid, "token": token}
+            if "kv_transfer_params" in h:
+                # A vLLM prefill: the vLLM decode runs the prompt and this token, its connector loading the KV.
+                msg.update(tokens=r.prompt + r.out, kv_transfer_params=h["kv_transfer_params"])
+            wire.send(self.router, msg, to=decode.ident)
 
     def _finish_pd_early(self, r: _Request, decode: _Instance, reason: str) -> None:
         wire.send(self.router, {"kind": "cancel", "rid": r.rid}, to=decode.ident)

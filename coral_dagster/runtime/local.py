@@ -117,6 +117,8 @@ class LocalDeployment:
     engine: str = "torch"
     # VllmLaunch fields for vLLM heads (memory share, context length, eager mode, tp).
     vllm_launch: dict[str, Any] = field(default_factory=dict)
+    # PD with vLLM: each phase's `--kv-transfer-config` JSON (`templates.engines.vllm_kv_transfer_config`).
+    kv_transfer: dict[str, str] = field(default_factory=dict)
     procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # A pidfd per role: whether it runs is read from the kernel, not from multiprocessing, which reads every child
@@ -198,6 +200,8 @@ class LocalDeployment:
                                         stage=0, scheduler=listen, listen=tcp_endpoint(self.host, "*"), engine="vllm",
                                         split=inst.split, tp=self.vllm_launch.get("tp", 1), timing=t)
                 launch = {"master_addr": self.host, "master_port": free_port(self.host), **self.vllm_launch}
+                if inst.phase in self.kv_transfer:
+                    launch["kv_transfer_config"] = self.kv_transfer[inst.phase]
                 self.spawn(node, roles.run_engine, {"settings": settings, "launch": launch}, own_children=True)
                 continue
             for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):

@@ -146,7 +146,7 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
         Kind.HEALTH: Shape({**_INSTANCE, "healthy": B}, {"problem": S}),
         Kind.TOKEN: Shape({**_INSTANCE, **_RID, "token": I}, {"logprobs": L + NONE}),
         Kind.DONE: Shape({**_INSTANCE, **_RID, "finish_reason": S}),
-        Kind.PREFILLED: Shape({**_INSTANCE, **_RID, "token": I}),
+        Kind.PREFILLED: Shape({**_INSTANCE, **_RID, "token": I}, {"kv_transfer_params": D}),
         Kind.KV_ROUTE: Shape({**_INSTANCE, **_RID, "route": L}),
         Kind.ERROR: Shape({**_INSTANCE, **_RID, "problem": S}, {"status": I + NONE, "fix": S + NONE}),
         Kind.DRAINING: Shape(_INSTANCE), Kind.LEFT: Shape(_INSTANCE),
@@ -157,14 +157,14 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
         Kind.GENERATE: Shape({**_RID, "tokens": L, "max_tokens": I}, {"ignore_eos": B, "sampling": D + NONE}),
         Kind.PREFILL: Shape({**_RID, "tokens": L, "handoff": L}, {"max_tokens": I, "sampling": D + NONE}),
         Kind.DECODE: Shape({**_RID, "prompt_len": I, "max_tokens": I}, {"ignore_eos": B, "sampling": D + NONE}),
-        Kind.FIRST_TOKEN: Shape({**_RID, "token": I}),
+        Kind.FIRST_TOKEN: Shape({**_RID, "token": I}, {"tokens": L, "kv_transfer_params": D}),
         Kind.CANCEL: Shape(_RID), Kind.DRAIN: Shape(),
     },
     Link.NODE_TO_SCHEDULER: {
         Kind.HELLO: Shape({**_NODE, "stage": I, "start": I, "end": I, "data": S, "model": S},
                           {"share": N, "engine": S, "streams": B, "incarnation": S}),
         Kind.PULSE: Shape({**_NODE, "incarnation": S}),
-        Kind.TOKEN: Shape({**_NODE, **_RID, "token": I, "pos": I}, {"logprobs": L + NONE}),
+        Kind.TOKEN: Shape({**_NODE, **_RID, "token": I, "pos": I}, {"logprobs": L + NONE, "kv_transfer_params": D}),
         Kind.ERROR: Shape({**_NODE, **_RID, "problem": S}, {"status": I + NONE}),
     },
     Link.SCHEDULER_TO_NODE: {
@@ -172,7 +172,8 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
         Kind.REJECT: Shape(optional={"problem": S}), Kind.FREE: Shape(_RID),
     },
     Link.DATA: {
-        Kind.FORWARD: Shape({**_RID, "pos": I, "stage": I, "route": L}, {"handoff": L + NONE, "max_tokens": I}),
+        Kind.FORWARD: Shape({**_RID, "pos": I, "stage": I, "route": L},
+                            {"handoff": L + NONE, "max_tokens": I, "kv_transfer_params": D}),
         Kind.KV: Shape({**_RID, "start": I, "end": I}),
     },
 }
@@ -250,6 +251,7 @@ class Env(StrEnum):
     MAX_MODEL_LEN = "CORAL_MAX_MODEL_LEN"
     GPU_MEMORY_UTILIZATION = "CORAL_GPU_MEMORY_UTILIZATION"
     ENFORCE_EAGER = "CORAL_ENFORCE_EAGER"
+    KV_TRANSFER_CONFIG = "CORAL_KV_TRANSFER_CONFIG"
     # Read by SkyPilot task scripts on GPU nodes or by libraries, not by an option: whether this node also runs its
     # scheduler (sky_tasks/engine.yaml), the vLLM build to install (sky_tasks/setup_node.sh), what `coral profile run`
     # measures (sky_tasks/profile.yaml).

@@ -59,8 +59,9 @@ class Scheduler:
 
     From the coordinator: `registered`, `reregister`, `ack`, `generate {rid, tokens, max_tokens, ignore_eos}`,
     `prefill {rid, tokens, handoff}`, `decode {rid, prompt_len, max_tokens, ignore_eos}` (answered with
-    `kv_route`), `first_token {rid, token}`, `cancel {rid}`, `drain`. To it: `register`, `heartbeat`, `health`,
-    `token`, `done`, `prefilled`, `kv_route`, `error`, `draining`, `left`.
+    `kv_route`), `first_token {rid, token}` (from a vLLM prefill also `tokens`, `kv_transfer_params`),
+    `cancel {rid}`, `drain`. To it: `register`, `heartbeat`, `health`, `token`, `done`, `prefilled`, `kv_route`,
+    `error`, `draining`, `left`.
 
     A node is bound to the connection that said hello: routing ids are never handed over to a newer connection,
     and a hello under a known name is taken only once the old connection is gone (a restart), whose requests then
@@ -258,7 +259,7 @@ class Scheduler:
             node.last_seen = now
 
     def _node_token(self, h: dict[str, Any], now: float) -> None:
-        self._token(h["rid"], h["token"], h["pos"], now, h.get("logprobs"))
+        self._token(h["rid"], h["token"], h["pos"], now, h.get("logprobs"), h.get("kv_transfer_params"))
 
     def _node_error(self, h: dict[str, Any], now: float) -> None:
         self._fail(h["rid"], h["problem"], h.get("status"))
@@ -301,11 +302,14 @@ class Scheduler:
             route.append(self.nodes[wrr.pick(shares)].address)
         return route
 
-    def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None) -> None:
+    def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None,
+                 kv_transfer_params: dict | None = None) -> None:
         header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
                   "sampling": r.sampling}
         if r.streamed:
-            header["max_tokens"] = r.max_tokens
+            header["max_tokens"] = r.max_tokens - r.n_out
+        if kv_transfer_params is not None:
+            header["kv_transfer_params"] = kv_transfer_params
         if not wire.send(self.security.push(r.route[0]), header, [np.asarray(tokens, dtype=np.int64)]):
             self._fail(r.rid, f"first stage at {r.route[0]} is not accepting requests")
 
@@ -357,7 +361,13 @@ class Scheduler:
         r = self.requests.get(h["rid"])
         if r is not None:
             r.n_out, r.last_progress = 1, now
-            self._forward(r, [h["token"]])
+            if "kv_transfer_params" in h:
+                # A vLLM decode instance runs the prompt and the first token again from position 0, its connector
+                # loading the prompt's KV from the vLLM prefill instance.
+                r.pos = 0
+                self._forward(r, [int(x) for x in h["tokens"]], kv_transfer_params=h["kv_transfer_params"])
+            else:
+                self._forward(r, [h["token"]])
 
     def _admit(self, h: dict[str, Any], now: float) -> None:
         kind, rid = h["kind"], h["rid"]
@@ -370,7 +380,7 @@ class Scheduler:
         r = _Request(rid, mode, route, 0, int(h.get("max_tokens", 1)), bool(h.get("ignore_eos")), last_progress=now,
                      sampling=h.get("sampling"))
         streaming = {n.address for n in self.nodes.values() if n.streams}
-        r.streamed = mode == "aggregated" and all(a in streaming for a in route)
+        r.streamed = all(a in streaming for a in route)
         self.requests[rid] = r
         if kind == "decode":
             r.pos = int(h["prompt_len"])
@@ -379,7 +389,8 @@ class Scheduler:
         else:
             self._forward(r, [int(x) for x in h["tokens"]], h.get("handoff") if kind == "prefill" else None)
 
-    def _token(self, rid: str, token: int, pos: int, now: float, logprobs: Any = None) -> None:
+    def _token(self, rid: str, token: int, pos: int, now: float, logprobs: Any = None,
+               kv_transfer_params: dict | None = None) -> None:
         r = self.requests.get(rid)
         if r is None:
             return
@@ -387,6 +398,8 @@ class Scheduler:
         extra = {"logprobs": logprobs} if logprobs is not None else {}
         if r.mode == "prefill":
             del self.requests[rid]
+            if kv_transfer_params is not None:
+                extra["kv_transfer_params"] = kv_transfer_params
             self._to_coord({"kind": "prefilled", "rid": rid, "token": token, **extra})
             return
         r.n_out += 1

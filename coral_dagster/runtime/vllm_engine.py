@@ -5,6 +5,15 @@ vLLM runs one pipeline over separately started nodes with its multiprocessing ex
 the others `--headless`. The head (rank 0) here is Coral's engine node, which builds vLLM's engine in-process
 from the very same command line (parsed by vLLM's own parser), so the head and the headless nodes cannot
 disagree. Each request is submitted once with its prompt and output budget; tokens stream out step by step.
+
+A prefill or decode instance of a PD pair runs with `--kv-transfer-config` (`templates/engines.py`). Its prefill
+requests ask for one token with `PREFILL_KV_PARAMS` (what vLLM's disaggregated proxy example,
+`examples/online_serving/disaggregated_serving/…/toy_proxy_server.py`, sends a prefill instance) and answer with the
+`kv_transfer_params` vLLM returns (NixlConnector: where the decode instance pulls the blocks from; ExampleConnector:
+none, the KV lies in shared storage keyed by the prompt). The decode instance then runs the prompt and the first
+token with those parameters: its connector loads the prompt's KV (both connectors load all but the last token of
+a decode request's prompt: `ExampleConnector.get_num_new_matched_tokens`, NIXL's remote prefill token count), so
+only the first token is computed and decoding continues from the token the client already has.
 """
 
 from __future__ import annotations
@@ -18,6 +27,10 @@ import numpy as np
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.engine import Engine, Step
 from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
+
+#: What a prefill request of a PD pair carries (vLLM's toy_proxy_server.py, `send_request_to_service`).
+PREFILL_KV_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,8 @@ class VllmLaunch:
     gpu_memory_utilization: float = 0.9
     dtype: str = "auto"
     enforce_eager: bool = False
+    # `--kv-transfer-config` JSON of a PD instance (every rank builds the connector); "" for an aggregated one.
+    kv_transfer_config: str = ""
 
     @property
     def nnodes(self) -> int:
@@ -54,6 +69,8 @@ class VllmLaunch:
                 "--skip-tokenizer-init", "--generation-config", "vllm"]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.kv_transfer_config:
+            args += ["--kv-transfer-config", self.kv_transfer_config]
         if self.nnodes > 1:
             args += ["--nnodes", str(self.nnodes), "--node-rank", str(node_rank),
                      "--master-addr", self.master_addr, "--master-port", str(self.master_port)]
@@ -122,9 +139,14 @@ class VllmEngine:
         self._length: dict[str, int] = {}
         # Alternatives each request asked log-probabilities of.
         self._top: dict[str, int] = {}
+        # PD prefill requests running, and the `kv_transfer_params` vLLM finished each with ({}: none) until read.
+        self._prefills: set[str] = set()
+        self.kv_params: dict[str, dict] = {}
 
-    def submit(self, rid: str, prompt: np.ndarray, max_tokens: int, sampling: SamplingParams | None = None) -> None:
-        """Queue `rid` with its prompt under `sampling` (greedy when None); EOS left to the scheduler's stop rule."""
+    def submit(self, rid: str, prompt: np.ndarray, max_tokens: int, sampling: SamplingParams | None = None,
+               kv_transfer_params: dict | None = None) -> None:
+        """Queue `rid` with its prompt under `sampling` (greedy when None); EOS left to the scheduler's stop rule.
+        `kv_transfer_params` go to the instance's KV connector (a PD pair's prefill or decode request)."""
         tokens = [int(t) for t in np.asarray(prompt)]
         if not tokens:
             raise ValueError(f"request {rid}: the prompt is empty")
@@ -134,7 +156,13 @@ class VllmEngine:
             raise ValueError(f"request {rid}: {len(tokens)} prompt tokens + {max_tokens=} exceed vLLM's "
                              f"max_model_len={self.max_context}")
         sampling = sampling or SamplingParams()
-        self.llm.add_request(rid, {"prompt_token_ids": tokens}, sampling.vllm(max_tokens))
+        params = sampling.vllm(max_tokens)
+        if kv_transfer_params is not None:
+            # vLLM's Request reads them from here (`vllm/v1/request.py`).
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
+            if kv_transfer_params.get("do_remote_decode"):
+                self._prefills.add(rid)
+        self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)
         self._length[rid] = len(tokens)
         self._top[rid] = sampling.logprobs or 0
 
@@ -153,6 +181,9 @@ class VllmEngine:
                             _logprobs(completion.logprobs[i], int(token), self._top[o.request_id])
                             if completion.logprobs else None))
             if o.finished:
+                if o.request_id in self._prefills:
+                    self._prefills.discard(o.request_id)
+                    self.kv_params[o.request_id] = o.kv_transfer_params or {}
                 self._length.pop(o.request_id, None)
                 self._top.pop(o.request_id, None)
         return out
@@ -174,6 +205,8 @@ class VllmEngine:
 
     def free(self, rid: str) -> None:
         self._top.pop(rid, None)
+        self._prefills.discard(rid)
+        self.kv_params.pop(rid, None)
         if self._length.pop(rid, None) is not None:
             self.llm.abort_request([rid])
 

@@ -7,11 +7,15 @@ from typing import Any
 
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.node import EngineNode
+from coral_dagster.runtime.vllm_engine import PREFILL_KV_PARAMS
 
 
 class VllmNode(EngineNode):
     """Speaks the engine-node protocol to the scheduler; a `forward` carries the prompt and `max_tokens` once,
-    and every token vLLM produces goes to the scheduler as it appears (`free` aborts the request in vLLM)."""
+    and every token vLLM produces goes to the scheduler as it appears (`free` aborts the request in vLLM).
+
+    In a PD pair a forward with a `handoff` is a prefill (its token goes back with the `kv_transfer_params` vLLM
+    finished it with, {} when the connector returns none), one with `kv_transfer_params` a decode."""
 
     streams = True
 
@@ -21,8 +25,10 @@ class VllmNode(EngineNode):
                 self._error(step.rid, f"a vLLM instance takes each request once, from position 0, with max_tokens "
                                       f"(got position {step.pos}, max_tokens {h.get('max_tokens')!r})")
                 continue
+            prefill = bool(h.get("handoff"))
             try:
-                self.engine.submit(step.rid, step.tokens, h["max_tokens"], step.sampling)
+                self.engine.submit(step.rid, step.tokens, h["max_tokens"], step.sampling,
+                                   dict(PREFILL_KV_PARAMS) if prefill else h.get("kv_transfer_params"))
             except (TypeError, ValueError) as exc:
                 # vLLM's own checks (token ids, prompt and max_tokens against max_model_len) fault the request
                 # itself: a 4xx, not retried on another instance.
@@ -41,6 +47,8 @@ class VllmNode(EngineNode):
         now = time.monotonic()
         for rid, token, pos, logprobs in produced:
             self._touched[rid] = now
-            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos,
-                                **({"logprobs": logprobs.message()} if logprobs else {})})
+            extra = {"logprobs": logprobs.message()} if logprobs else {}
+            if rid in self.engine.kv_params:
+                extra["kv_transfer_params"] = self.engine.kv_params.pop(rid)
+            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos, **extra})
         return self.engine.has_work()

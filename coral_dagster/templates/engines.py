@@ -14,6 +14,9 @@ vLLM (multiprocessing executor over separately started nodes, `vllm serve … --
   (NixlConnector: `kv_transfer_params: {"do_remote_decode": true}`), then to a decode instance with the
   `kv_transfer_params` the prefill answered with (`do_remote_prefill`, `remote_engine_id`, `remote_host`,
   `remote_port`, `remote_block_ids`: vLLM 0.32's `nixl/base_scheduler.py`).
+- V4 a decode template handing KV over through NixlConnector has one stage: vLLM 0.32's NIXL worker refuses a
+  `kv_consumer` with pipeline_parallel_size > 1 (`nixl/base_worker.py`, "consumer (decode) does not support
+  pipeline_parallel_size > 1"; its producers may be pipelined).
 
 Ray would lift V2 (one rank per GPU, placed freely) but not V1, and needs a Ray cluster spanning the
 instance's nodes; the multiprocessing executor is what vLLM documents for multi-node serving without it.
@@ -46,12 +49,14 @@ VLLM_PD_CONNECTORS: dict[str, str] = {
     "LMCacheConnectorV1": "LMCache (its own P2P or storage backends); needs the lmcache package",
     "ExampleConnector": "reference: KV as files under shared_storage_path; any device, one shared file system",
 }
+#: Connectors whose decode (consumer) instances must be one pipeline stage (V4).
+ONE_STAGE_CONSUMERS = frozenset({"NixlConnector"})
 #: `kv_role` of each phase's instances (vLLM 0.32 deprecates `kv_both` for NixlConnector).
 KV_ROLES: dict[str, str] = {"prefill": "kv_producer", "decode": "kv_consumer"}
 
 
 def vllm_violations(t: Template, kv_connector: str | None = None) -> tuple[str, ...]:
-    """The rules (V1–V3 above) that keep vLLM from running template `t`; empty when it can. With `kv_connector`
+    """The rules (V1–V4 above) that keep vLLM from running template `t`; empty when it can. With `kv_connector`
     (one of `VLLM_PD_CONNECTORS`), prefill and decode templates pass V3."""
     out = []
     crowded = [s for s, stage in enumerate(t.stages) if len(stage.nodes) != 1]
@@ -63,6 +68,9 @@ def vllm_violations(t: Template, kv_connector: str | None = None) -> tuple[str, 
     if t.phase != "aggregated" and (kv_connector is None or t.phase not in KV_ROLES):
         out.append(f"V3: phase {t.phase} needs a KV handoff between instances (engine vllm runs aggregated "
                    "instances without a KV connector)")
+    if t.phase == "decode" and kv_connector in ONE_STAGE_CONSUMERS and len(t.stages) > 1:
+        out.append(f"V4: {kv_connector} decode instances are one pipeline stage in vLLM (this one has "
+                   f"{len(t.stages)})")
     return tuple(out)
 
 
