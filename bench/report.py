@@ -20,7 +20,17 @@ DOCUMENT = RESULTS.parent.parent / "BENCHMARKS.md"
 START, END = "<!-- report:start -->", "<!-- report:end -->"
 #: A headline row's fields (`bench._results.write_result`), then what `meta` adds to it.
 FIELDS = ("figure", "paper", "ours", "rule", "availability", "section")
-HEADER = ("figure", "paper", "ours", "rule", "availability", "section", "command", "date")
+HEADER = ("figure", "paper", "ours", "rule", "availability", "section", "command", "date", "commit")
+
+
+def _ours(row: dict) -> str:
+    """What a row says of our figure: a bare number is a ratio (×); none, the note why, as the row gives it."""
+    ours = row.get("ours")
+    if isinstance(ours, (int, float)) and not isinstance(ours, bool):
+        ours = f"{ours:.2f}×"
+    if ours is None:
+        return f"none: {row['note']}"
+    return str(ours)
 
 
 def headline_rows(results: Path = RESULTS) -> list[dict]:
@@ -37,9 +47,11 @@ def headline_rows(results: Path = RESULTS) -> list[dict]:
         if not all(isinstance(meta.get(k), str) and meta[k] for k in ("command", "date")):
             raise ValueError(f"{path}: meta needs a command and a date (write it through bench._results.write_result)")
         for i, row in enumerate(doc["headline"]):
-            if not isinstance(row, dict) or not row.get("figure") or not row.get("ours"):
-                raise ValueError(f"{path}: headline[{i}] needs at least a figure and ours ({', '.join(FIELDS)})")
-            rows.append({**{k: row.get(k) for k in FIELDS}, "command": meta["command"], "date": meta["date"]})
+            if not isinstance(row, dict) or not row.get("figure") or (row.get("ours") is None and not row.get("note")):
+                raise ValueError(f"{path}: headline[{i}] needs at least a figure and ours, or a note saying why there "
+                                 f"is no figure ({', '.join(FIELDS)})")
+            rows.append({**{k: row.get(k) for k in FIELDS}, "ours": _ours(row), "command": meta["command"],
+                         "date": meta["date"], "commit": meta.get("commit")})
     return rows
 
 

@@ -32,9 +32,10 @@ def test_the_headline_renders_stamped_rows_only_in_file_order_with_command_and_d
     lines = first.splitlines()
     assert lines[0] == "| " + " | ".join(report.HEADER) + " |"
     body = lines[2:]
-    date = json.loads((results / "a.json").read_text())["meta"]["date"]
+    meta = json.loads((results / "a.json").read_text())["meta"]
+    date, commit = meta["date"], meta["commit"]
     assert [line.split(" | ")[0] for line in body] == ["| fig a", "| fig b1", "| fig b2 \\| piped"]
-    assert body[0] == f"| fig a | – | 1.0 | slo | ×0.5 | – | `python -m bench.a` | {date} |"
+    assert body[0] == f"| fig a | – | 1.0 | slo | ×0.5 | – | `python -m bench.a` | {date} | {commit} |"
     assert "unstamped" not in first
 
 

@@ -317,8 +317,10 @@ def keys_cmd(as_json: bool) -> None:
 @click.option("--prompt", required=True, help="Prompt text.")
 @click.option("--greedy/--no-greedy", default=True, show_default=True,
               help="Greedy decoding; --no-greedy samples at --temperature (seeded by --seed).")
-@click.option("--temperature", type=float, default=1.0, show_default=True, help="Sampling temperature (--no-greedy).")
-@click.option("--top-p", type=float, default=1.0, show_default=True, help="Nucleus mass kept (--no-greedy).")
+@click.option("--temperature", type=NON_NEGATIVE, default=1.0, show_default=True,
+              help="Sampling temperature (--no-greedy).")
+@click.option("--top-p", type=FiniteFloat(0.0, 1.0, low_open=True), default=1.0, show_default=True,
+              help="Nucleus mass kept (--no-greedy).")
 @click.option("--top-k", type=int, default=0, show_default=True, help="Most likely tokens kept; 0 keeps all.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the draws (--no-greedy).")
 @click.option("--max-tokens", type=int, default=16, show_default=True, help="Most tokens to generate.")
