@@ -15,6 +15,7 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.deploy import names
 from coral_dagster.errors import CoralError
 from coral_dagster.routing import instance_weight
+from coral_dagster.runtime.protocol import Env
 from coral_dagster.templates.engines import KV_ROLES, engine_connector, vllm_kv_transfer_config, vllm_violations
 from coral_dagster.templates.types import Template
 
@@ -199,13 +200,13 @@ def _scheduler_envs(shape: InstanceShape, instance_id: str) -> dict[str, str]:
     """What the instance's scheduler reads (its head node runs it), given to every node of the instance."""
     t = shape.template
     return {
-        "CORAL_INSTANCE": instance_id,
-        "CORAL_MODEL": t.model,
-        "CORAL_PHASE": t.phase,
-        "CORAL_SPLIT": t.pp_partition,
-        "CORAL_TOKENS_PER_S": f"{t.tokens_per_s:.6g}",
-        "CORAL_REGION": shape.region,
-        "CORAL_ROUTE_WEIGHT": f"{shape.route_weight:.9g}",
+        Env.INSTANCE: instance_id,
+        Env.MODEL: t.model,
+        Env.PHASE: t.phase,
+        Env.SPLIT: t.pp_partition,
+        Env.TOKENS_PER_S: f"{t.tokens_per_s:.6g}",
+        Env.REGION: shape.region,
+        Env.ROUTE_WEIGHT: f"{shape.route_weight:.9g}",
     }
 
 
@@ -237,19 +238,19 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
             is_head = stage_names[s][k] == head
             envs = {
                 **_scheduler_envs(shape, instance_id),
-                "CORAL_NODE": stage_names[s][k],
-                "CORAL_HEAD": "1" if is_head else "0",
-                "CORAL_LAYERS": f"{stage.start}:{stage.end}",
-                "CORAL_STAGE_RANK": str(s),
-                "CORAL_SHARE": f"{stage.shares[k]:.6g}",
-                "CORAL_TP": str(node.count),
-                "CORAL_ENGINE": "torch",
+                Env.NODE: stage_names[s][k],
+                Env.HEAD: "1" if is_head else "0",
+                Env.LAYERS: f"{stage.start}:{stage.end}",
+                Env.STAGE_RANK: str(s),
+                Env.SHARE: f"{stage.shares[k]:.6g}",
+                Env.TP: str(node.count),
+                Env.ENGINE: "torch",
                 "VLLM_PP_LAYER_PARTITION": t.pp_partition,
             }
             engines.append(NodeSpec(cluster_name=stage_names[s][k], role="engine", stage=s, node_index=k,
                                     node=str(node), instance_type=price.instance_type,
-                                    usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
-                                    wires=() if is_head else (("CORAL_SCHEDULER", (head,)),), **common))
+                                    usd_per_hour=_rate(price, shape.use_spot), envs=_env_items(envs),
+                                    wires=() if is_head else ((str(Env.SCHEDULER), (head,)),), **common))
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(engines))
 
 
@@ -264,18 +265,18 @@ def _vllm_instance(shape: InstanceShape, replica: int, plan_id: str, index: int,
         price = shape.price_of(node)
         envs = {
             **_scheduler_envs(shape, instance_id),
-            "CORAL_NODE": cluster_names[rank],
-            "CORAL_LAYERS": f"0:{t.stages[-1].end}",
-            "CORAL_TP": str(node.count),
-            "CORAL_NODE_RANK": str(rank),
-            "CORAL_VLLM_PORT": str(VLLM_MASTER_PORT),
+            Env.NODE: cluster_names[rank],
+            Env.LAYERS: f"0:{t.stages[-1].end}",
+            Env.TP: str(node.count),
+            Env.NODE_RANK: str(rank),
+            Env.VLLM_PORT: str(VLLM_MASTER_PORT),
             "VLLM_PP_LAYER_PARTITION": t.pp_partition,
             **_kv_envs(shape, instance_id),
         }
         nodes.append(NodeSpec(cluster_name=cluster_names[rank], role="vllm", stage=rank, node_index=0,
                               node=str(node), instance_type=price.instance_type,
-                              usd_per_hour=_rate(price, shape.use_spot), envs=tuple(sorted(envs.items())),
-                              wires=(("CORAL_VLLM_HEAD", (cluster_names[0],)),) if rank else (), **common))
+                              usd_per_hour=_rate(price, shape.use_spot), envs=_env_items(envs),
+                              wires=((str(Env.VLLM_HEAD), (cluster_names[0],)),) if rank else (), **common))
     return InstanceSpec(instance_id, slot, shape, replica, plan_id, index, tuple(nodes))
 
 
@@ -286,7 +287,7 @@ def _kv_envs(shape: InstanceShape, instance_id: str) -> dict[str, str]:
     if shape.kv_connector is None:
         return {}
     config = vllm_kv_transfer_config(shape.template.phase, shape.kv_connector, engine_id=instance_id)
-    envs = {"CORAL_KV_TRANSFER_CONFIG": json.dumps(config, sort_keys=True, separators=(",", ":"))}
+    envs = {Env.KV_TRANSFER_CONFIG: json.dumps(config, sort_keys=True, separators=(",", ":"))}
     if shape.kv_connector == "NixlConnector":
         envs["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL_PORT)
     return envs
@@ -308,12 +309,12 @@ def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ..
     from coral_dagster.runtime.config import format_admit
 
     name = names.coordinator_name(plan_id)
-    envs = {"CORAL_MODEL": " ".join(sorted({s.template.model for s in shapes}))}
+    envs = {Env.MODEL: " ".join(sorted({s.template.model for s in shapes}))}
     if plan is not None and plan.admission.limits:
         adm = plan.admission
-        envs["CORAL_ADMIT"] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
+        envs[Env.ADMIT] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
     return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
-                    plan_id=plan_id, region=region, envs=tuple(sorted(envs.items())))
+                    plan_id=plan_id, region=region, envs=_env_items(envs))
 
 
 def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame, engine: str = "coral") -> tuple[NodeSpec, ...]:
@@ -326,3 +327,8 @@ def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame, engine: str
     for index, (shape, replica) in enumerate(replicas):
         nodes += build_instance(shape, replica, plan_id, index).nodes
     return tuple(nodes)
+
+
+def _env_items(envs: dict) -> tuple[tuple[str, str], ...]:
+    """Envs as sorted (name, value) pairs of plain strings (`Env` members written as their names)."""
+    return tuple(sorted((str(k), v) for k, v in envs.items()))
