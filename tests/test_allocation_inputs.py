@@ -188,7 +188,8 @@ def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
                 templates.append(synthetic_template(sm.model, phase, NodeMultiset.of([node]), tps, slo_ms=slo))
     monkeypatch.setattr(scenario_plans, "library_templates", lambda scenario, db_path=None: tuple(templates))
     db = str(tmp_path / "cli.duckdb")
-    result = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--json"])
+    # Synthetic templates cannot be simulated, so the closed loop (on by default) is off here.
+    result = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--json", "--no-closed-loop"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.output)
     for key in ("method", "status", "cost_usd_per_hour", "lp_bound_usd_per_hour", "gap", "solve_s", "instances",
@@ -196,9 +197,11 @@ def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
         assert key in doc
     assert {"model", "phase", "region", "nodes", "count", "tokens_per_s"} <= set(doc["instances"][0])
     assert doc["status"] == "optimal"
-    again = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--running", "latest", "--json"])
+    again = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--running", "latest", "--json",
+                                      "--no-closed-loop"])
     assert json.loads(again.output)["instances"] == doc["instances"]
-    scarce = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--availability-scale", "0.05"])
+    scarce = CliRunner().invoke(plan, ["--scenario", "core", "--db", db, "--availability-scale", "0.05",
+                                       "--no-closed-loop"])
     assert scarce.exit_code != 0 and "--scarcity" in str(scarce.exception)
 
 
