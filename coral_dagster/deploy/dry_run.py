@@ -67,7 +67,7 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
     clusters already up are written in."""
     nodes, coordinator, addresses = diff.nodes_to_launch(), diff.coordinator_cluster, diff.addresses
     live_coordinator = diff.coordinator is not None and coordinator in addresses
-    admission = dict(diff.coordinator.envs).get("CORAL_ADMIT", "") if live_coordinator else None
+    admission = dict(diff.coordinator.envs).get("CORAL_ADMIT", "") if diff.coordinator and live_coordinator else None
     out_dir.mkdir(parents=True, exist_ok=True)
     configs = {n.cluster_name: tasks.task_config(n) for n in nodes}
     kinds: dict[str, list[NodeSpec]] = {}
@@ -82,7 +82,8 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
         paths[kind] = tasks.write_task(cfg, out_dir)
         for n, e in zip(members, envs):
             per_cluster[n.cluster_name] = {k: v for k, v in e.items() if k not in shared}
-    launches, wired_to = [], set()
+    launches: list[ClusterLaunch] = []
+    wired_to: set[str] = set()
     for n in nodes:
         wires = tasks.wiring(n, coordinator)
         literal = {k: v for k, v in per_cluster[n.cluster_name].items() if k not in wires}

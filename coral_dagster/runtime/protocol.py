@@ -183,10 +183,10 @@ def check(links: Link | Iterable[Link], header: Mapping[str, Any]) -> tuple[Link
     """The link (of `links`) and kind of a received message whose fields have the shape the protocol gives them;
     raises ProtocolError naming the kind or field that does not."""
     links = (links,) if isinstance(links, Link) else tuple(links)
-    kind = header.get("kind")
+    kind: Any = header.get("kind")
     first: ProtocolError | None = None
     for link in links:
-        shape = MESSAGES[link].get(kind)  # type: ignore[call-overload]
+        shape = MESSAGES[link].get(kind)
         if shape is None:
             continue
         try:

@@ -108,7 +108,8 @@ class Store:
 
 # A file of another database (SQLite) makes DuckDB reach for the extension that reads it, downloading it from the
 # network if allowed; a store never needs one (duckdb.org/docs/stable/configuration/overview: these two settings).
-NO_EXTENSION_LOADING = {"autoload_known_extensions": False, "autoinstall_known_extensions": False}
+NO_EXTENSION_LOADING: dict[str, str | bool | int | float | list[str]] = {"autoload_known_extensions": False,
+                                                                        "autoinstall_known_extensions": False}
 
 def _special_file(path: Path) -> str:
     """What `path` is when it exists and is neither a regular file nor a folder (a device, a FIFO, a socket)."""

@@ -111,7 +111,7 @@ def vllm_kv_transfer_config(phase: str, connector: str = PD_CONNECTOR, *, engine
         raise CoralError("a KV-transfer config without an engine_id.", "name the instance, e.g. its cluster name.")
     if buffer_device not in (None, "cuda", "cpu", "xpu"):
         raise CoralError(f"KV buffer device {buffer_device!r}.", "use cuda, cpu or xpu (vLLM 0.32's choices).")
-    out = {"kv_connector": connector, "kv_role": KV_ROLES[phase], "engine_id": engine_id}
+    out: dict[str, object] = {"kv_connector": connector, "kv_role": KV_ROLES[phase], "engine_id": engine_id}
     if buffer_device is not None:
         out["kv_buffer_device"] = buffer_device
     if extra:
