@@ -166,10 +166,12 @@ def test_readme_sql_returns_rows_on_the_store_coral_run_wrote_and_after_plan_and
     db = ["--db", str(tmp / "c.duckdb")]
     planned = CliRunner(mix_stderr=False).invoke(main, ["plan", "--scenario", "core", "--json", *db])
     assert planned.exit_code == 0, planned.stdout + planned.stderr
-    plan_id = json.loads(planned.stdout[planned.stdout.index("{"):])["plan_id"]
+    planned_doc = json.loads(planned.stdout[planned.stdout.index("{"):])
+    plan_id = planned_doc["plan_id"]
     simulated = CliRunner(mix_stderr=False).invoke(main, ["simulate", "--duration-s", "30", "--json", *db])
     assert simulated.exit_code == 0, simulated.stdout + simulated.stderr
     assert plan_id in json.loads(simulated.stdout[simulated.stdout.index("{"):])["recorded"]
     got = store.query(expected_vs_got[0].strip().rstrip(";"))
     assert set(got["model"]) == {m.model for m in load_scenario("core").models} and got["got"].notna().all()
-    assert got["expected"].isna().all()  # `coral plan` runs no closed loop, so the plan expects nothing
+    # `coral plan` runs the closed loop by default: the plan expects what its last round's simulation gave.
+    assert dict(zip(got["model"], got["expected"])) == pytest.approx(planned_doc["expected_attainment"])
