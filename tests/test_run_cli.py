@@ -173,5 +173,6 @@ def test_readme_sql_returns_rows_on_the_store_coral_run_wrote_and_after_plan_and
     assert plan_id in json.loads(simulated.stdout[simulated.stdout.index("{"):])["recorded"]
     got = store.query(expected_vs_got[0].strip().rstrip(";"))
     assert set(got["model"]) == {m.model for m in load_scenario("core").models} and got["got"].notna().all()
-    # `coral plan` runs the closed loop by default: the plan expects what its last round's simulation gave.
-    assert dict(zip(got["model"], got["expected"])) == pytest.approx(planned_doc["expected_attainment"])
+    # `coral plan` runs the closed loop by default: the plan expects what its last round's simulation gave (the
+    # README query rounds to 3 decimals).
+    assert dict(zip(got["model"], got["expected"])) == pytest.approx(planned_doc["expected_attainment"], abs=5e-4)
