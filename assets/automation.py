@@ -14,6 +14,8 @@ REPLAN_ASSETS = ("allocation_plan", "plan_simulation", "deployment_specs")
 #: The run tag the instance limits to one run in progress (`definitions.INSTANCE_YAML`): a re-plan can outlast
 #: the 6-minute schedule, and two at once would plan against the same running plan.
 REPLAN_TAG = {"coral/replan": "true"}
+#: The run config naming the scenario, so a run's Launchpad shows what it plans for (`resources.CoralScenario`).
+SCENARIO_RUN_CONFIG = {"resources": {"scenario": {"config": {"name": SENSOR_SCENARIO}}}}
 
 
 refresh_inputs_job = dg.define_asset_job(
@@ -28,12 +30,12 @@ replan_job = dg.define_asset_job(
 
 refresh_inputs_schedule = dg.ScheduleDefinition(
     name="refresh_inputs_every_6_min", job=refresh_inputs_job, cron_schedule="*/6 * * * *",
-    tags={"coral/scenario": SENSOR_SCENARIO},
+    tags={"coral/scenario": SENSOR_SCENARIO}, run_config=SCENARIO_RUN_CONFIG,
     description="New market and demand snapshots every re-plan interval (the paper re-solves every 6 minutes).")
 
 replan_schedule = dg.ScheduleDefinition(
     name="replan_every_6_min", job=replan_job, cron_schedule="3-59/6 * * * *",
-    tags={"coral/scenario": SENSOR_SCENARIO},
+    tags={"coral/scenario": SENSOR_SCENARIO}, run_config=SCENARIO_RUN_CONFIG,
     description="Re-plan every 6 minutes whatever changed (the sensor re-plans only when it pays).")
 
 
@@ -54,6 +56,6 @@ def reallocation_sensor(context: dg.SensorEvaluationContext, duckdb: CoralDuckDB
     context.update_cursor(key)
     if not decision.replan:
         return dg.SkipReason(f"plan still right for {key}")
-    return dg.RunRequest(run_key=f"replan:{key}",
+    return dg.RunRequest(run_key=f"replan:{key}", run_config=SCENARIO_RUN_CONFIG,
                          tags={"coral/scenario": SENSOR_SCENARIO, "coral/reasons": "; ".join(decision.reasons)[:500]})
 

@@ -65,6 +65,7 @@ def test_sensor_skips_until_inputs_exist_then_requests_one_run_per_new_input(tmp
     replan = defs.resolve_job_def("replan")
     assert dg.validate_run_config(replan, request.run_config)
     assert request.tags["coral/scenario"] == "core" and defs.resources["scenario"].name == "core"
+    assert request.run_config["resources"]["scenario"]["config"]["name"] == "core"
 
     again = reallocation_sensor(_context(path, cursor=ctx.cursor))
     assert isinstance(again, dg.SkipReason) and "already evaluated" in again.skip_message
