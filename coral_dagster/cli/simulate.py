@@ -13,8 +13,8 @@ from coral_dagster.simulator.simulate import TRAFFIC
 
 
 def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str, db_path: str | None,
-                  scenario_given: bool):
-    """(label, Plan, Scenario): a fresh plan of --method, or a stored plan (`latest` of the scenario and method, an
+                  scenario_given: bool, closed_loop: bool = True):
+    """(label, Plan, Scenario): a fresh plan of --method made as `coral plan` makes it, or a stored plan (`latest` of the scenario and method, an
     id, or a JSON file), with the scenario whose traffic it serves: the one it was planned for unless --scenario
     names another (then a note says so)."""
     from coral_dagster.app.plans import plan_label, resolve_plan, scenario_of
@@ -23,9 +23,13 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
 
     scn = load_scenario(scenario)
     if fresh:
+        from coral_dagster.allocation.inputs import scenario_rates
         from coral_dagster.allocation.scenario_plans import plan_scenario
+        from coral_dagster.app.closed_loop import held_plan
 
-        return f"fresh {method} plan (unstored)", plan_scenario(scn, method=method, db_path=db_path), scn
+        plan = held_plan(lambda boost: plan_scenario(scn, method=method, db_path=db_path, boost=boost), scn,
+                         scenario_rates(scn, "uniform"), loop=closed_loop and method != "helix")
+        return f"fresh {method} plan (unstored)", plan, scn
     store = Store(db_path)
     plan = resolve_plan(store, plan_ref, scn, method)
     if plan.scenario_key and plan.scenario_key != scn.scenario_key:
@@ -44,7 +48,11 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
                    "`coral plan --json` prints it.")
 @click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
               help="Which method's plan `latest` means (or --fresh plans with).")
-@click.option("--fresh", is_flag=True, help="Instead of a stored plan, compute a new plan of --method now.")
+@click.option("--fresh", is_flag=True, help="Instead of a stored plan, compute a new plan of --method now, as "
+                                           "`coral plan` does.")
+@click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
+              help="With --fresh: keep each model's SLO attainment target by the closed loop, as `coral plan` "
+                   "does; --no-closed-loop plans by the capacity rule alone.")
 @click.option("--trace", "traffic", type=click.Choice(TRAFFIC), default="scenario", show_default=True,
               help="Arrivals: each model's own trace replayed at its rate, one trace for all, or Poisson / Gamma "
                    "arrivals with trace lengths.")
@@ -59,7 +67,7 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
 @prices_option
 @db_option
 @json_option
-def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, gamma_cv: float, duration_s: float,
+def cli(scenario: str, plan_ref: str, method: str, fresh: bool, closed_loop: bool, traffic: str, gamma_cv: float, duration_s: float,
         seed: int, rate_scale: float, plots_dir: str | None, db_path: str | None, as_json: bool) -> None:
     """Simulate a plan serving the scenario's traffic, request by request.
 
@@ -72,7 +80,7 @@ def cli(scenario: str, plan_ref: str, method: str, fresh: bool, traffic: str, ga
     if rate_scale <= 0:
         raise CoralError(f"--rate-scale {rate_scale}.", "give a positive factor, e.g. 1 or 2.")
     given = click.get_current_context().get_parameter_source("scenario") is not click.core.ParameterSource.DEFAULT
-    label, plan, scn = _resolve_plan(plan_ref, method, fresh, scenario, db_path, given)
+    label, plan, scn = _resolve_plan(plan_ref, method, fresh, scenario, db_path, given, closed_loop)
     result = simulate_plan(plan, scn, trace=traffic, duration_s=duration_s, seed=seed, rate_scale=rate_scale,
                            gamma_cv=gamma_cv)
     plots = {}
