@@ -39,5 +39,5 @@ T_HAT_RULE_NAMES: tuple[THatRule, ...] = ("paper", "slo")
 #: The version of each rule (`templates.throughput`, `templates.queueing`); part of every library key, so a
 #: library built under other rules is rebuilt, never reused. Change a rule's with any change of what it answers.
 T_HAT_RULE_VERSIONS: dict[str, str] = {
-    "slo": "2026-12-05 aggregated step fuses chunked prefill into decode",
+    "slo": "2026-12-05 aggregated step fuses chunked prefill into decode; TPOT misses counted as compound Poisson",
     "paper": "paper 2026-12-05 per-stage l/S, one batch of KV, mean fused aggregated step"}

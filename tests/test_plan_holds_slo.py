@@ -25,11 +25,6 @@ def planned(tmp_path_factory):
     return scn, plan_scenario(scn, templates=templates, burst_aware=False), plan_scenario(scn, templates=templates)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known regression (issue 27, 2026-12-05): the fused aggregated T̂ over-promises for gpt-oss-20b on azure-code "
-    "(28 output tokens, 30 ms TPOT); its 1xL40S:1 and 2xL40S:1 aggregated templates reach 0.83-0.86 attainment at "
-    "the planned rate on Poisson arrivals (seeds 1-3). The closed loop of `coral plan`/`coral run` re-sizes them; "
-    "strict, so this mark must go when the rule is fixed"))
 def test_poisson_at_the_planned_rate_meets_the_slo(planned):
     """A plan sized for smooth arrivals (mean rate × headroom) holds its SLOs on Poisson arrivals."""
     scn, plan, _ = planned

@@ -246,3 +246,27 @@ def test_templates_reach_95_percent_at_95_percent_of_t_hat(latency, scenario, mo
         met += r.attainment * r.requests
         total += r.requests
     assert met / total >= 0.95, (t.template_id, met / total)
+
+
+@pytest.mark.parametrize("mu, p", [(0.05, 1.0), (0.4, 0.7), (2.5, 0.2), (9.0, 0.05), (30.0, 0.5)])
+def test_polya_aeppli_cdf_is_the_closed_form_sum_and_what_a_draw_counts(mu, p):
+    """Busy steps a short request sees (`_tpot_miss_share`): P(N ≤ k) for N a Poisson(μ) sum of geometric counts,
+    against the closed form e^-μ Σ_j μ^j/j! C(n−1, j−1) p^j (1−p)^(n−j) and a Monte Carlo draw (the translated
+    gamma above the exact range within 1% of it)."""
+    from coral_dagster.templates.throughput import POLYA_AEPPLI_EXACT, polya_aeppli_cdf
+
+    def pmf(n: int) -> float:
+        if n == 0:
+            return math.exp(-mu)
+        return math.exp(-mu) * sum(mu ** j / math.factorial(j) * math.comb(n - 1, j - 1) * p ** j * (1 - p) ** (n - j)
+                                   for j in range(1, n + 1))
+
+    ks = np.arange(0, POLYA_AEPPLI_EXACT + 1)
+    closed = np.cumsum([pmf(int(n)) for n in ks])
+    np.testing.assert_allclose(polya_aeppli_cdf(ks, np.full(len(ks), mu), p), closed, rtol=1e-9, atol=1e-12)
+    rng = np.random.default_rng(11)
+    periods = rng.poisson(mu, 200_000)
+    draws = np.array([rng.geometric(p, k).sum() if k else 0 for k in periods])
+    for k in (0, 1, 3, 10, 80, 200):
+        assert abs(float(polya_aeppli_cdf(np.array([k]), np.array([mu]), p)[0]) - (draws <= k).mean()) < 0.01
+    assert polya_aeppli_cdf(np.array([-1]), np.array([mu]), p)[0] == 0.0

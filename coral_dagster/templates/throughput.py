@@ -92,7 +92,7 @@ from typing import Callable, Protocol
 
 import numpy as np
 import pandas as pd
-from scipy.special import ndtr
+from scipy.special import gammainc
 
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig
@@ -427,17 +427,45 @@ def _tpot_miss_share(w: Workload, busy_steps: float, period_steps: float, busy_t
                      busy_ms: float, slot_ms: float) -> float:
     """Share of requests (the trace's output lengths) whose own decode steps average over `slot_ms` when a share
     `busy_steps` of all steps takes a prompt chunk (`busy_ms`, else `idle_ms`): the busy steps a request of D
-    tokens sees over its D − 1 steps are compound Poisson, busy periods of geometric length with mean
-    `period_steps` (M/G/1) arriving at rate `busy_steps` / `period_steps` per step, mean (D − 1)·q and variance
-    (D − 1)·q·(2m − 1), taken normal, plus the rest of the busy period its own prompt ended in (the queue is busy a
-    share `busy_time` of the time: ρ·min(m, D − 1) more); it misses beyond ⌊(D − 1)(slot − t₀)/(t₁ − t₀)⌋ of them."""
+    tokens sees over its D − 1 steps cluster in the prompt queue's busy periods, of geometric length with mean
+    m = max(1, `period_steps`) steps (M/G/1; a period is at least one step), arriving at rate `busy_steps` / m per
+    step, plus the rest of the period its own prompt ended in (the queue is busy a share `busy_time` of the time:
+    ρ·min(m, D − 1)/m more periods): a compound Poisson count (`polya_aeppli_cdf`); the request misses beyond
+    ⌊(D − 1)(slot − t₀)/(t₁ − t₀)⌋ of them. (A normal approximation of that count said 0% for gpt-oss-20b on
+    azure-code, 28 output tokens a request, where the simulator missed 14%: most requests may see no busy step.)"""
     lengths, counts = _output_lengths(w.trace, w.output_tokens)
     d1 = np.maximum(lengths - 1.0, 0.0)
     allowed = np.floor(d1 * (slot_ms - idle_ms) / (busy_ms - idle_ms))
-    mean = d1 * busy_steps + busy_time * np.minimum(period_steps, d1)
-    sd = np.sqrt(np.maximum(mean * (2.0 * period_steps - 1.0), 1e-12))
-    miss = np.where(d1 > 0, 1.0 - ndtr((allowed + 0.5 - mean) / sd), 0.0)
+    m = max(float(period_steps), 1.0)
+    periods = (d1 * busy_steps + busy_time * np.minimum(m, d1)) / m
+    miss = np.where(d1 > 0, 1.0 - polya_aeppli_cdf(allowed, periods, 1.0 / m), 0.0)
     return float((miss * counts).sum() / counts.sum())
+
+
+#: Counts up to which `polya_aeppli_cdf` sums the exact probabilities; beyond, a translated gamma.
+POLYA_AEPPLI_EXACT = 64
+
+
+def polya_aeppli_cdf(k: np.ndarray, mu: np.ndarray, p: float) -> np.ndarray:
+    """P(N ≤ k) for N a Poisson(μ) number of geometric counts on {1, 2, …} with success probability p (mean 1/p):
+    exact by the recursion n·Pₙ = (μp + 2q(n − 1))·Pₙ₋₁ − q²(n − 2)·Pₙ₋₂ (q = 1 − p) up to
+    `POLYA_AEPPLI_EXACT`, above it the translated gamma with N's first three cumulants μ/p, μ(2 − p)/p² and
+    μ(6 − 6p + p²)/p³ (a normal missed a Monte Carlo draw by 4% at μ = 9, p = 0.05; this by under 0.5%)."""
+    k, mu = np.broadcast_arrays(np.asarray(k, dtype=np.float64), np.asarray(mu, dtype=np.float64))
+    q = 1.0 - p
+    probs = np.empty((POLYA_AEPPLI_EXACT + 1,) + mu.shape)
+    probs[0] = np.exp(-mu)
+    probs[1] = probs[0] * mu * p
+    for n in range(2, POLYA_AEPPLI_EXACT + 1):
+        probs[n] = ((mu * p + 2.0 * q * (n - 1)) * probs[n - 1] - q * q * (n - 2) * probs[n - 2]) / n
+    cdf = np.minimum(np.cumsum(probs, axis=0), 1.0)
+    exact = np.take_along_axis(cdf, np.clip(k, 0, POLYA_AEPPLI_EXACT).astype(int)[None], axis=0)[0]
+    k1 = mu / p
+    k2 = np.maximum(mu * (2.0 - p), 1e-300) / p ** 2
+    k3 = np.maximum(mu * (6.0 - 6.0 * p + p * p), 1e-300) / p ** 3
+    shape, scale = 4.0 * k2 ** 3 / k3 ** 2, k3 / (2.0 * k2)
+    tail = gammainc(shape, np.maximum(k + 0.5 - (k1 - shape * scale), 0.0) / scale)
+    return np.where(k < 0, 0.0, np.where(k <= POLYA_AEPPLI_EXACT, exact, tail))
 
 
 @lru_cache(maxsize=None)
