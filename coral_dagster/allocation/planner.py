@@ -181,7 +181,7 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     reach = scarcity.IlpReach(problem, columns, time_limit_s=time_limit_s, gap_rel=gap_rel, max_nodes=max_nodes)
     if scarcity_mode == "scale":
         level, targets, witness = scarcity.uniform_scale(reach)
-        notes.append(scarcity.uniform_note({k[0]: v for k, v in targets.items()}))
+        notes.append(scarcity.uniform_note({k[0]: v for k, v in targets.items()}, reach.first_bound))
         status, scale = "scaled", level
     else:
         levels, targets, witness = scarcity.fair_share(reach)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
@@ -153,6 +154,7 @@ class IlpReach:
         self.models = sorted(self.groups)
         self.solutions: list[tuple[dict[str, float], tuple[float, ...]]] = []
         self.last_proven = True
+        self.first_bound = math.nan  # the upper bound the first solve proved on every model's common level
 
     def __call__(self, held: Mapping[str, float], free: Sequence[str]) -> float:
         floors = {m: v for m, v in held.items() if m not in free}
@@ -164,6 +166,8 @@ class IlpReach:
             if r.status == "optimal" or (r.status in ilp.FEASIBLE and r.level > TOL) or nodes is None:
                 break  # an unproven 0 is retried once with more work: it would fix a model at 0
         self.last_proven = r.status == "optimal"
+        if math.isnan(self.first_bound) and not floors:
+            self.first_bound = r.bound if r.status in ilp.FEASIBLE and math.isfinite(r.bound) else math.nan
         if r.status not in ilp.FEASIBLE:
             return 0.0
         self.solutions.append((ilp.routed_fractions(self.problem, self.columns, r.values), r.values))
@@ -191,12 +195,17 @@ def fair_share(reach: IlpReach) -> tuple[dict[str, float], dict[DemandKey, float
     return levels, _targets(reach.problem, levels), reach.witness(levels)
 
 
-def uniform_note(levels: Mapping[str, float]) -> str:
-    """What a uniform plan serves, naming the models it leaves at 0."""
+def uniform_note(levels: Mapping[str, float], bound: float = math.nan) -> str:
+    """What a uniform plan serves, naming the models it leaves at 0, and the level's proven upper `bound` when the
+    level solve stopped short of proving its level the largest."""
     level = max(levels.values(), default=0.0)
     dead = sorted(m for m, v in levels.items() if v <= TOL < level)
     if not dead:
-        return f"uniform scarcity: every model served at {level:.2%} of its demand"
+        note = f"uniform scarcity: every model served at {level:.2%} of its demand"
+        if bound > level + TOL:
+            note += (f"; the level solve stopped at its work limit with no plan proven to serve every model more "
+                     f"than {min(bound, 1.0):.2%} (raise `--max-nodes` to close it)")
+        return note
     return (f"uniform scarcity: {', '.join(dead)} cannot be served alongside the others with this availability "
             f"(0%); every other model served at {level:.2%} of its demand")
 

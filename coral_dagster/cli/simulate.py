@@ -14,9 +14,9 @@ from coral_dagster.simulator.simulate import TRAFFIC
 
 def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str, db_path: str | None,
                   scenario_given: bool, closed_loop: bool = True):
-    """(label, Plan, Scenario): a fresh plan of --method made as `coral plan` makes it, or a stored plan (`latest` of the scenario and method, an
-    id, or a JSON file), with the scenario whose traffic it serves: the one it was planned for unless --scenario
-    names another (then a note says so)."""
+    """(label, Plan, Scenario): a fresh plan of --method made as `coral plan` makes it, or a stored plan (`latest`
+    of the scenario and method, an id, or a JSON file), with the scenario whose traffic it serves: the one it was
+    planned for unless --scenario names another (then a note says so)."""
     from coral_dagster.app.plans import plan_label, resolve_plan, scenario_of
     from coral_dagster.catalog.scenarios import load_scenario
     from coral_dagster.store import Store
@@ -67,8 +67,9 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
 @prices_option
 @db_option
 @json_option
-def cli(scenario: str, plan_ref: str, method: str, fresh: bool, closed_loop: bool, traffic: str, gamma_cv: float, duration_s: float,
-        seed: int, rate_scale: float, plots_dir: str | None, db_path: str | None, as_json: bool) -> None:
+def cli(scenario: str, plan_ref: str, method: str, fresh: bool, closed_loop: bool, traffic: str, gamma_cv: float,
+        duration_s: float, seed: int, rate_scale: float, plots_dir: str | None, db_path: str | None,
+        as_json: bool) -> None:
     """Simulate a plan serving the scenario's traffic, request by request.
 
     Prints per model: SLO attainment (TTFT within the prefill SLO and mean TPOT within the decode SLO), goodput
