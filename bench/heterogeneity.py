@@ -194,18 +194,28 @@ def heat_map(rows: list[dict], out: Path) -> None:
     plt.close(fig)
 
 
+#: The paper's figures for each (scenario, baseline) ÷ Coral (../shared/design/coral.md, "Headline results").
+PAPER = {("core", "homo"): "1.62×", ("core", "cauchy"): "1.60×",
+         ("extended", "homo"): "3.14× (cost); up to 7.64× goodput under scarcity",
+         ("extended", "cauchy"): "2.66× (cost); up to 2.39× goodput under scarcity"}
+
+
 def headline(rows: list[dict], default_cell) -> list[dict]:
-    """Headline rows at the default cell of each scenario and rule (MARKET.md's shape, list prices)."""
+    """Headline rows at the default cell of each scenario and rule (MARKET.md's shape, list prices); where no method
+    meets demand, the shares of it each plan serves (the goodput it plans for)."""
     out = []
     for r in rows:
         if (r["gpu_power"], r["size_power"], r["prices"], r["level"]) != default_cell:
             continue
         for b in BASELINES:
             ours = (f"{r[f'{b}_x_coral']:.2f}×" if r.get(f"{b}_x_coral") is not None else
+                    f"no method meets demand: Coral serves {r['coral_served_share']:.1%}, {b} "
+                    f"{r[f'{b}_served_share']:.1%} ({r[f'coral_over_{b}_served']:.2f}× the goodput)"
+                    if r.get(f"coral_over_{b}_served") is not None else
                     f"{b} serves {r[f'{b}_served_share']:.1%}" if r.get(f"{b}_served_share") is not None else "–")
             basis = "capacity rule, held-out attainment beside" if r["rule"] == "slo" else "fixed demand"
             out.append({"figure": f"{r['scenario']}: {b} ÷ Coral ({basis})",
-                        "paper": None, "ours": ours, "rule": r["rule"],
+                        "paper": PAPER.get((r["scenario"].split(":")[0], b)), "ours": ours, "rule": r["rule"],
                         "availability": "market profile (MARKET.md), window 0", "section": "heterogeneity"})
     return out
 

@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 SETTINGS = ("default", "0.5:scale", "0.5:fair", "0.25:scale", "0.25:fair")
 # (gap, seconds) each scenario's plans must reach: full demand, scarcity (issue 30, "Must show" 4).
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--max-nodes", type=int, default=None, help="work limit per MIP (default: the planner's)")
     ap.add_argument("--no-alone", action="store_true", help="skip HiGHS alone on the whole ILP")
     ap.add_argument("--fresh", action="store_true", help="also time a re-plan in a fresh process")
+    ap.add_argument("--out", default=None, help="result file (default bench/results/solve_times.json)")
     ap.add_argument("--child-replan", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     from coral_dagster.highs import DEFAULT_MAX_NODES
@@ -163,7 +165,7 @@ def main() -> None:
         print(f"| {r['scenario']} | {r['setting']} | {r['method']} | {r['status']} | {r['usd_per_hour']:,.2f} | "
               f"{r['bound_usd_per_hour']:,.2f} | {r['gap']:.2%} | {r['lp_usd_per_hour']:,.2f} | "
               f"{r['work_nodes']:,} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} |")
-    print(f"written to {write_result('solve_times', doc)}")
+    print(f"written to {write_result('solve_times', doc, out=Path(args.out) if args.out else None)}")
 
 
 if __name__ == "__main__":
