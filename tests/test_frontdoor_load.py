@@ -77,8 +77,8 @@ def test_256_streaming_clients_a_third_hanging_up():
         # No generation is left running: the coordinator holds nothing, and the token count stops growing.
         deadline = time.monotonic() + 30
         with dep.client() as c:
-            while c.status()["in_flight"]:
-                assert time.monotonic() < deadline, "generations stuck after their clients hung up"
+            while (status := c.status())["in_flight"]:
+                assert time.monotonic() < deadline, f"generations stuck after their clients hung up: {status}"
                 time.sleep(0.2)
         first = _generated(dep.http_url)
         time.sleep(2.0)

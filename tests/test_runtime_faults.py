@@ -61,7 +61,7 @@ def test_drain_finishes_in_flight_work_takes_none_new_and_leaves(tmp_path):
             procs = [n for n in dep.procs if n.startswith(victim + ".")]
             _wait(lambda: not any(dep.alive(n) for n in procs), 10)
             counts = c.status()["counts"]
-            assert counts == {"submitted": 5, "completed": 5, "failed": 0, "retried": 0}
+            assert counts == {"submitted": 5, "completed": 5, "failed": 0, "retried": 0, "abandoned": 0}
 
 
 def test_killed_engine_is_detected_in_bounded_time_and_work_resumes_or_fails_clearly(tmp_path):

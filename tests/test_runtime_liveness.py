@@ -44,7 +44,7 @@ def test_a_forward_pass_longer_than_the_dead_after_limit_does_not_kill_its_node(
     assert done["kind"] == "done" and done["attempts"] == 1 and done["instances"] == [accepted["instances"][
         "aggregated"]]
     assert {i["instance"]: i["state"] for i in status["instances"]} == {"agg-0": "ready", "agg-1": "ready"}
-    assert status["counts"] == {"submitted": 1, "completed": 1, "failed": 0, "retried": 0}
+    assert status["counts"] == {"submitted": 1, "completed": 1, "failed": 0, "retried": 0, "abandoned": 0}
     assert "stopped responding" not in (tmp_path / f"{accepted['instances']['aggregated']}.scheduler.log").read_text()
 
 
@@ -72,3 +72,23 @@ def test_a_process_killed_and_restarted_at_once_sends_its_requests_to_the_other_
             news = c.complete(MODEL, ["one", "two", "three", "four"], max_tokens=3)
             assert all(e["kind"] == "done" for e in news)
             assert {e["instances"][0] for e in news} == {victim, survivor}
+
+
+def test_a_request_whose_client_closed_without_cancelling_stops(tmp_path):
+    """A client that goes away without a word (its cancel lost, its process killed): the next event the coordinator
+    cannot deliver stops the request on its instance. Had it run on, it would end `completed`, not `abandoned`."""
+    timing = Timing(heartbeat_s=0.2, dead_after_s=10.0, request_timeout_s=60.0)
+    with LocalDeployment(MODEL, local_instances((12,), 1), timing=timing, log_dir=tmp_path, restart=False) as dep:
+        dep.wait_ready(60)
+        leaving = dep.client()
+        tag = leaving.submit(MODEL, LONG, max_tokens=2000, ignore_eos=True)
+        assert leaving.next_event({tag})["kind"] == "accepted"
+        assert leaving.next_event({tag})["kind"] == "token"
+        leaving.close()
+        with dep.client() as c:
+            deadline = time.monotonic() + 60
+            while (status := c.status())["in_flight"]:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.1)
+    assert status["counts"] == {"submitted": 1, "completed": 0, "failed": 0, "retried": 0, "abandoned": 1}
+    assert status["instances"][0]["in_flight"] == 0

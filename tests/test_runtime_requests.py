@@ -83,7 +83,8 @@ def test_hostile_requests_fail_alone_and_good_ones_still_match_the_reference():
             assert e["fix"]
         status = c.status()
         assert all(t.is_alive() for t in threads)
-        assert status["counts"] == {"submitted": len(hostile), "completed": 0, "failed": len(hostile), "retried": 0}
+        assert status["counts"] == {"submitted": len(hostile), "completed": 0, "failed": len(hostile), "retried": 0,
+                                    "abandoned": 0}
         assert [i["state"] for i in status["instances"]] == ["ready", "ready"]
         assert all(i["served"] == 0 for i in status["instances"])
         done = c.complete(MODEL, ["still fine"] * 4, max_tokens=8, ignore_eos=True)

@@ -126,6 +126,8 @@ class Coordinator:
         self.front_address = f"inproc://coral-front-{id(self)}"
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.linger = 0
+        # A send to a front-door request whose link has closed fails (its client went away) instead of vanishing.
+        self.front.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.front.bind(self.front_address)
         self.instances: dict[str, _Instance] = {}
         self.departed: list[str] = []
@@ -135,7 +137,7 @@ class Coordinator:
         self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
         self.admit_text = format_admit(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
         self._ids = itertools.count()
-        self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0}
+        self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0, "abandoned": 0}
         self.http = None
         if cfg.http_port is not None:
             from coral_dagster.runtime.frontdoor import FrontDoor
@@ -341,7 +343,12 @@ class Coordinator:
     # Requests
 
     def _event(self, r: _Request, header: dict[str, Any]) -> None:
-        wire.send(r.sock, {**header, "rid": r.rid, "tag": r.tag}, to=r.client)
+        """Tell `r`'s client; a client whose connection has closed will never cancel, so `r` stops here."""
+        sent = wire.deliver(r.sock, {**header, "rid": r.rid, "tag": r.tag}, to=r.client)
+        if sent == wire.GONE and self.requests.pop(r.rid, None) is not None:
+            log.info("request %s stopped: its client went away", r.rid)
+            self.counts["abandoned"] += 1
+            self._release(r, cancel=True)
 
     def _limits(self, model: str) -> ModelLimits | None:
         """The tightest limits any registered instance of `model` announced."""
@@ -492,6 +499,8 @@ class Coordinator:
         reason = finish_reason(token, len(r.out) + 1, r.max_tokens, r.ignore_eos)
         if reason != "stop":
             self._emit_token(r, token, now, h.get("logprobs"))
+            if r.rid not in self.requests:
+                return
         decode = self.instances.get(r.instances.get("decode", ""))
         if reason:
             self._finish(r, reason) if decode is None else self._finish_pd_early(r, decode, reason)

@@ -83,14 +83,24 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
 def send(sock: zmq.Socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = (),
          to: bytes | None = None, block: bool = False) -> bool:
     """Send one message (to routing id `to` on a ROUTER); False when the peer cannot take it now."""
+    return deliver(sock, header, arrays, to, block) == SENT
+
+
+SENT, UNSENT, GONE = "sent", "unsent", "gone"
+
+
+def deliver(sock: zmq.Socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = (),
+            to: bytes | None = None, block: bool = False) -> str:
+    """Send one message and say how it went: SENT, UNSENT (the peer cannot take it now: its queue is full) or GONE
+    (a ROUTER_MANDATORY socket has no peer with routing id `to`: its connection closed)."""
     frames = pack(header, arrays)
     if to is not None:
         frames = [to, *frames]
     try:
         sock.send_multipart(frames, flags=0 if block else zmq.NOBLOCK, copy=False)
-    except (zmq.Again, zmq.ZMQError):
-        return False
-    return True
+    except zmq.ZMQError as exc:
+        return GONE if exc.errno == zmq.EHOSTUNREACH else UNSENT
+    return SENT
 
 
 def _receive(sock: zmq.Socket, max_frames: int) -> list[zmq.Frame] | None:
