@@ -29,7 +29,7 @@ def names(text: str) -> list[str]:
 
 def seeds_and_libraries(args) -> tuple[list[int], list[tuple]]:
     """The evaluation seeds, and each `--scenarios` scenario with its stored template library."""
-    from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.app.scenario_plans import library_templates
     from coral_dagster.catalog.scenarios import load_scenario
 
     scenarios = [load_scenario(name) for name in names(args.scenarios)]

@@ -34,7 +34,7 @@ from bench._results import RESULTS, write_result
 from coral_dagster.allocation.demand import DEMAND_MIXES
 from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.allocation.inputs import mixed_scenario
-from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
+from coral_dagster.app.scenario_plans import library_templates, plan_scenario
 from coral_dagster.app.equal_attainment import evaluate
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.catalog.prices import PAPER_PRICES, read_price_file

@@ -126,7 +126,7 @@ def main() -> None:
     from coral_dagster.allocation import ilp
     from coral_dagster.allocation.inputs import scenario_problem
     from coral_dagster.allocation.prune import prune_columns
-    from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.app.scenario_plans import library_templates
     from coral_dagster.catalog.scenarios import load_scenario
 
     scn = load_scenario(args.scenario)

@@ -23,7 +23,7 @@ from dataclasses import replace
 from bench._args import RESULTS, bench_parser, names, report, seeds_and_libraries
 from coral_dagster.app.equal_attainment import evaluate
 from coral_dagster.allocation.goodput import fluid_goodput
-from coral_dagster.allocation.scenario_plans import plan_scenario
+from coral_dagster.app.scenario_plans import plan_scenario
 from coral_dagster.errors import CoralError
 
 

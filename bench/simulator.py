@@ -61,7 +61,7 @@ def bench_plan(scenario, source: str):
         return latest_plan(Store(), scenario), "stored latest plan"
     templates: list[Template] | tuple[Template, ...] = ()
     if source in ("auto", "library"):
-        from coral_dagster.allocation.scenario_plans import library_templates
+        from coral_dagster.app.scenario_plans import library_templates
         from coral_dagster.templates.library import load_library
 
         store = Store()

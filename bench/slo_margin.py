@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from bench._args import RESULTS, bench_parser, names, report
 from coral_dagster.app.equal_attainment import evaluate, sized
-from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
+from coral_dagster.app.scenario_plans import library_templates, plan_scenario
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
 

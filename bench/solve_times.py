@@ -31,7 +31,7 @@ TARGETS = {"core": ((0.02, 30.0), (0.01, 60.0)), "extended": ((0.03, 120.0), (0.
 
 def _load(scn, db_path):
     """The scenario's library and the seconds reading it took (built first when the store lacks it)."""
-    from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.app.scenario_plans import library_templates
 
     library_templates(scn, db_path)  # builds and stores it once when missing
     start = time.perf_counter()

@@ -22,7 +22,7 @@ from dataclasses import replace
 
 from bench._args import RESULTS, bench_parser, cell, names
 from bench._results import write_result
-from coral_dagster.allocation.scenario_plans import library_templates, plan_scenario
+from coral_dagster.app.scenario_plans import library_templates, plan_scenario
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
 

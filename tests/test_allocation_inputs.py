@@ -176,7 +176,7 @@ def test_fluid_goodput_needs_both_phases_in_one_region():
 
 
 def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
-    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.app import scenario_plans
     from coral_dagster.cli.plan import plan
 
     scn = load_scenario("core")
@@ -207,7 +207,7 @@ def test_cli_plan_prints_the_issue_json_shape(tmp_path, monkeypatch):
 
 def test_cli_bench_allocation_matches_the_planner(tmp_path, monkeypatch):
     """`coral bench allocation --json`: each method's row is the plan `make_plan` gives on the same inputs."""
-    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.app import scenario_plans
     from coral_dagster.allocation.methods import make_plan
     from coral_dagster.cli.plan import bench
 
@@ -235,7 +235,7 @@ def test_cli_bench_allocation_reports_cost_at_equal_attainment_beside_fixed_dema
     """`coral bench allocation --settings attainment`: per method the fixed-demand plan (the old rule, the same as
     `make_plan` at fixed demand) and the sized one (the closed loop's, never cheaper: it serves the burst factors on
     top), each with its held-out worst model, and both costs over Coral's; the table is printed."""
-    from coral_dagster.allocation import scenario_plans
+    from coral_dagster.app import scenario_plans
     from coral_dagster.allocation.methods import make_plan
     from coral_dagster.catalog.models import get_model
     from coral_dagster.cli.plan import bench

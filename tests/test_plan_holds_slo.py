@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from coral_dagster import paths
-from coral_dagster.allocation.scenario_plans import plan_scenario
+from coral_dagster.app.scenario_plans import plan_scenario
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.simulator.simulate import simulate_plan
 from coral_dagster.templates.library import build_library

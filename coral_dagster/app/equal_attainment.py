@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from coral_dagster.allocation.goodput import fluid_goodput
-from coral_dagster.allocation.scenario_plans import plan_scenario
+from coral_dagster.app.scenario_plans import plan_scenario
 from coral_dagster.app.closed_loop import closed_loop
 from coral_dagster.errors import CoralError
 

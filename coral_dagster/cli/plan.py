@@ -93,7 +93,7 @@ def plan(scenario: str, method: str, availability_scale: float, engine: str | No
 
     from coral_dagster.allocation.codec import plan_to_doc
     from coral_dagster.allocation.inputs import scenario_rates
-    from coral_dagster.allocation.scenario_plans import plan_scenario
+    from coral_dagster.app.scenario_plans import plan_scenario
     from coral_dagster.allocation.storage import store_plan
     from coral_dagster.app.closed_loop import held_plan
     from coral_dagster.app.plans import resolve_plan
@@ -165,7 +165,7 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
     from tqdm import tqdm
 
     BenchConfig, run_allocation_bench = _harness().BenchConfig, _harness().run_allocation_bench
-    from coral_dagster.allocation.scenario_plans import library_templates
+    from coral_dagster.app.scenario_plans import library_templates
     from coral_dagster.plots import bench_png
 
     slo = None if helix_slo_ms == "scenario" else tuple(float(x) for x in helix_slo_ms.split(","))

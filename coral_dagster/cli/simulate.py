@@ -24,7 +24,7 @@ def _resolve_plan(plan_ref: str, method: str | None, fresh: bool, scenario: str,
     scn = load_scenario(scenario)
     if fresh:
         from coral_dagster.allocation.inputs import scenario_rates
-        from coral_dagster.allocation.scenario_plans import plan_scenario
+        from coral_dagster.app.scenario_plans import plan_scenario
         from coral_dagster.app.closed_loop import held_plan
 
         plan = held_plan(lambda boost: plan_scenario(scn, method=method, db_path=db_path, boost=boost), scn,
