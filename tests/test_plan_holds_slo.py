@@ -53,3 +53,23 @@ def test_burst_aware_plan_holds_its_target_on_the_scenario_traces(planned, seed)
     assert bursty.admission.capacity_factors[("gpt-oss-20b", "prefill")] > 2.0
     worse = simulate_plan(smooth, scn, trace="scenario", duration_s=600, seed=seed)
     assert worse.attainment_by_model["gpt-oss-20b"] < 0.95
+
+
+def test_each_model_simulated_alone_is_the_joint_simulation(planned):
+    """The closed loop simulates each model alone, in parallel: models share no instance, node or link and draw
+    from their own streams, so each model's requests fare exactly as in the joint simulation (the oracle)."""
+    from coral_dagster.allocation.inputs import scenario_rates
+    from coral_dagster.app.closed_loop import loop_duration_s, simulated_attainment, worst_window_attainment
+
+    scn, _, plan = planned
+    joint = simulate_plan(plan, scn, trace="scenario", duration_s=300, seed=3).requests
+    for model in MODELS:
+        alone = simulate_plan(plan, scn, trace="scenario", duration_s=300, seed=3,
+                              rates={m: 0.0 for m in MODELS if m != model}).requests
+        assert len(alone) and set(alone.model) == {model}
+        mine = joint[joint.model == model].reset_index(drop=True)
+        assert mine.equals(alone.reset_index(drop=True)), model
+    rates = scenario_rates(scn, "uniform")
+    together = simulated_attainment(plan, scn, rates, 600.0, 0, loop_duration_s(scn, rates, 600.0))
+    assert worst_window_attainment(plan, scn, rates, 600.0, 0, processes=2) == together
+    assert set(together) == set(MODELS)
