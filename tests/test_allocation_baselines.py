@@ -234,9 +234,10 @@ def test_a_level_solve_that_times_out_at_zero_is_retried_with_more_time(draw, mo
 
 @pytest.mark.parametrize("seed", range(8))
 def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_dearer(seed, monkeypatch):
-    """Coral's solve over every column is cut short and answers only its first incumbent: the plan is then the
-    homogeneous sub-problem's, costing what Homo-ILP (the same ILP over the homogeneous columns, planned on its
-    own) costs; uncut, Coral is never dearer than Homo-ILP."""
+    """Coral's solve over every column is cut short and answers only its first incumbent, the homogeneous
+    sub-problem's plan (what Homo-ILP, the same ILP over the homogeneous columns planned on its own, costs): the
+    plan is that one or, after the large-neighbourhood search, cheaper, never below the uncut optimum; uncut,
+    Coral is never dearer than Homo-ILP."""
     from coral_dagster.allocation import colgen, planner
 
     problem = random_problem(seed, n_models=2, gpus=("L4", "L40S"), counts=(1, 2), n_max=2,
@@ -245,7 +246,8 @@ def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_de
         homo = plan_homo_ilp(problem, gap_rel=EXACT)
     except InfeasibleError:
         pytest.skip("no homogeneous plan meets demand")
-    assert make_plan(problem, "coral", gap_rel=EXACT).cost_usd_per_hour <= homo.cost_usd_per_hour + 1e-6
+    best = make_plan(problem, "coral", gap_rel=EXACT).cost_usd_per_hour
+    assert best <= homo.cost_usd_per_hour + 1e-6
     real = colgen.solve_min_cost
 
     def cut_short(problem, columns, targets=None, *, start=None, **kwargs):
@@ -258,5 +260,5 @@ def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_de
     monkeypatch.setattr(planner.colgen, "solve_min_cost", cut_short)
     plan = make_plan(problem, "coral", gap_rel=EXACT)
     assert any("incumbent: the Homo-ILP plan" in n for n in plan.notes)
-    assert plan.cost_usd_per_hour == pytest.approx(homo.cost_usd_per_hour, rel=1e-9)
+    assert best - 1e-6 <= plan.cost_usd_per_hour <= homo.cost_usd_per_hour + 1e-6
     assert plan_violations(plan, problem) == []

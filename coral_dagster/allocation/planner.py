@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from coral_dagster.allocation import colgen, ilp, scarcity
+from coral_dagster.allocation import colgen, ilp, lns, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
@@ -166,9 +166,11 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
                 f"the {method} allocation ILP found no plan within {limits} and {time_limit_s:g} s "
                 f"({len(columns)} columns).", "raise `--max-nodes` (or the safety net `--time-limit-s`).")
         if feasible_lp and result.status != "infeasible":
-            return build_plan(problem, method, result.status, _instances(columns, result.values),
+            values, status = _searched(problem, columns, result.values, result.status, None, notes, timings,
+                                       max_nodes, time_limit_s)
+            return build_plan(problem, method, status, _instances(columns, values),
                               lp_bound=cg.lp_objective, mip_bound=result.bound,
-                              solve_s=time.perf_counter() - start, notes=_limit_notes(notes, result.status, limits),
+                              solve_s=time.perf_counter() - start, notes=_limit_notes(notes, status, limits),
                               pruning=report.as_dict(), timings=timings, work_nodes=nodes_explored() - nodes_before)
     if scarcity_mode is None and not diagnose:
         raise InfeasibleError(f"{method}: demand cannot be met with this availability.", SCARCITY_FIX)
@@ -205,12 +207,34 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
                      f"are the plan (not cost-minimised; raise `--max-nodes`)")
     notes.append(_speedup_note(cg, len(columns)))
     notes.append(f"status of the cost solve at that level: {cg.result.status}")
-    every = reach.statuses + [cg.result.status]
+    solved = cg.result.status if cg.result.status in ilp.FEASIBLE else ilp.unproven()
+    values, solved = _searched(problem, columns, values, solved, targets, notes, timings, max_nodes, time_limit_s)
+    every = reach.statuses + [cg.result.status, solved]
     return build_plan(problem, method, status, _instances(columns, values),
                       lp_bound=cg.lp_objective, mip_bound=cg.result.bound, solve_s=time.perf_counter() - start,
                       demand_scale=scale, notes=_limit_notes(notes, ilp.unproven(*every), limits),
                       bottlenecks=diag.bottlenecks, pruning=report.as_dict(), timings=timings,
                       work_nodes=nodes_explored() - nodes_before)
+
+
+def _searched(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float], status: str,
+              targets: Mapping[DemandKey, float] | None, notes: list[str], timings: dict[str, float],
+              max_nodes: int | None, time_limit_s: float) -> tuple[Sequence[float], str]:
+    """Counts a solve left unproven, improved by large-neighbourhood search (`lns`), and their status: the search
+    keeps the solve's limits, so a wall-clock stop in it makes the plan unreproducible too."""
+    if status == "optimal":
+        return values, status
+    t0 = time.perf_counter()
+    found = lns.improve(problem, columns, values, lambda v: _objective(problem, columns, v), targets,
+                        max_nodes=max_nodes, time_limit_s=time_limit_s)
+    timings["lns_s"] = time.perf_counter() - t0
+    notes.append(found.note())
+    return found.values, ilp.unproven(status, *found.statuses)
+
+
+def _objective(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float]) -> float:
+    instances = _instances(columns, values)
+    return sum(i.count * i.usd_per_hour for i in instances) + churn_usd_per_hour(problem, instances)
 
 
 def _limit_notes(notes: list[str], status: str, limits: str) -> list[str]:
