@@ -94,6 +94,10 @@ def _coordinator_counts(plan: Plan, stream: list[str]) -> Counter:
 
     ctx = zmq.Context()
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:0", http_port=None), insecure=True, ctx=ctx)
+    # The requests' client: the coordinator stops a request whose client it cannot reach.
+    client = ctx.socket(zmq.DEALER)
+    client.setsockopt(zmq.ROUTING_ID, b"client")
+    client.connect(coord.front_address)
     try:
         for c in plan_candidates(plan):
             name = "#".join(map(str, c.key))
@@ -101,7 +105,7 @@ def _coordinator_counts(plan: Plan, stream: list[str]) -> Counter:
                                                   "region": c.region, "weight": c.weight}, 0.0)
         counts: Counter = Counter()
         for k, model in enumerate(stream):
-            r = _Request(f"r{k}", coord.front, b"nobody", None, model, [1, 2, 3], 4, True)
+            r = _Request(f"r{k}", coord.front, b"client", None, model, [1, 2, 3], 4, True)
             coord.requests[r.rid] = r
             coord._dispatch(r, 0.0)
             for name in r.instances.values():
@@ -109,6 +113,7 @@ def _coordinator_counts(plan: Plan, stream: list[str]) -> Counter:
                 counts[(template_id, region, int(copy))] += 1
         return counts
     finally:
+        client.close(linger=0)
         coord.router.close(linger=0)
         coord.front.close(linger=0)
         ctx.term()
