@@ -55,6 +55,7 @@ def test_burst_aware_plan_holds_its_target_on_the_scenario_traces(planned, seed)
     assert worse.attainment_by_model["gpt-oss-20b"] < 0.95
 
 
+@pytest.mark.slow
 def test_each_model_simulated_alone_is_the_joint_simulation(planned):
     """The closed loop simulates each model alone, in parallel: models share no instance, node or link and draw
     from their own streams, so each model's requests fare exactly as in the joint simulation (the oracle)."""
