@@ -4,7 +4,7 @@ Models meet only in the availability rows (C1 of `ilp`): a model's demand rows (
 alone. So with every other model's counts held, the nodes those use come off the availability, and the freed
 models' problem is a small ILP of its own, started from their current counts (so never worse). A pass tries every
 model alone, then every pair; the search ends after a pass that improves nothing, after `ROUNDS` passes, or once
-its sub-solves have explored `budget_nodes` MIP nodes, so the result is the same on any machine.
+its sub-solves have explored `BUDGET_FACTOR` × the node limit, so the result is the same on any machine.
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def improve(problem: AllocationProblem, columns: Sequence[Column], values: Seque
             spent += nodes_explored() - before
             solves += 1
             statuses.append(status)
-            if y is not None and objective(y) < best - REL_TOL * max(1.0, abs(best)):
-                x, best, improved = y, objective(y), True
+            if y is not None and (cost := objective(y)) < best - REL_TOL * max(1.0, abs(best)):
+                x, best, improved = y, cost, True
                 improvements += 1
         if not improved or (budget is not None and spent >= budget):
             break

@@ -53,23 +53,20 @@ def worst_window_attainment(plan: Plan, scenario: Scenario, rates: Mapping[str, 
 
     Models share no instance, node or link, and each draws its arrivals from its own stream of `seed`, so each is
     simulated alone (the others at rate 0) over the same duration, on up to `processes` worker processes (default:
-    2, or the CPUs if fewer): the answer is the joint simulation's (tests/test_admission_and_loop.py checks it)."""
+    2, or the CPUs if fewer): the answer is the joint simulation's (tests/test_plan_holds_slo.py checks it)."""
     duration_s = loop_duration_s(scenario, rates, window_s)
     # As `simulate_plan` reads `rates`: a model it does not name keeps the scenario's rate; a name the scenario
     # lacks is an error there.
     names = {m.model for m in scenario.models}
     silent = {**{n: 0.0 for n in names}, **{n: r for n, r in rates.items() if n not in names}}
-    tasks = [(plan, scenario, {**silent, m.model: float(rates.get(m.model, m.rate_req_s))}, window_s, seed, duration_s)
-             for m in scenario.models if rates.get(m.model, m.rate_req_s) > 0]
-    processes = min(len(tasks), processes or min(2, os.cpu_count() or 1))
+    alone = [{**silent, m.model: float(rates.get(m.model, m.rate_req_s))} for m in scenario.models
+             if rates.get(m.model, m.rate_req_s) > 0]
+    n = len(alone)
+    args = ([plan] * n, [scenario] * n, alone, [window_s] * n, [seed] * n, [duration_s] * n)
+    processes = min(n, processes or min(2, os.cpu_count() or 1))
     with worker_pool(processes) if processes > 1 else nullcontext() as pool:
-        parts = list(pool.map(_attainment_task, tasks) if pool else map(_attainment_task, tasks))
+        parts = list((pool.map if pool else map)(simulated_attainment, *args))
     return dict(sorted(kv for part in parts for kv in part.items()))
-
-
-def _attainment_task(task: tuple) -> dict[str, float]:
-    plan, scenario, rates, window_s, seed, duration_s = task
-    return simulated_attainment(plan, scenario, rates, window_s, seed, duration_s)
 
 
 def simulated_attainment(plan: Plan, scenario: Scenario, rates: Mapping[str, float], window_s: float, seed: int,

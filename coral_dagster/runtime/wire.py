@@ -80,13 +80,14 @@ def unpack(frames: Sequence[Any]) -> tuple[dict[str, Any], list[np.ndarray]]:
     return header, arrays
 
 
+# How `deliver` went.
+SENT, UNSENT, GONE = "sent", "unsent", "gone"
+
+
 def send(sock: zmq.Socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = (),
          to: bytes | None = None, block: bool = False) -> bool:
     """Send one message (to routing id `to` on a ROUTER); False when the peer cannot take it now."""
     return deliver(sock, header, arrays, to, block) == SENT
-
-
-SENT, UNSENT, GONE = "sent", "unsent", "gone"
 
 
 def deliver(sock: zmq.Socket, header: dict[str, Any], arrays: Sequence[np.ndarray] = (),
