@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from coral_dagster.allocation import colgen, ilp, lns, scarcity
+from coral_dagster.allocation import colgen, ilp, lagrange, lns, scarcity
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
@@ -168,8 +168,10 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
         if feasible_lp and result.status != "infeasible":
             values, status = _searched(problem, columns, result.values, result.status, None, notes, timings,
                                        max_nodes, time_limit_s)
+            proven = _bounded(problem, columns, values, status, None, result.bound, notes, timings, max_nodes,
+                              time_limit_s)
             return build_plan(problem, method, status, _instances(columns, values),
-                              lp_bound=cg.lp_objective, mip_bound=result.bound,
+                              lp_bound=cg.lp_objective, mip_bound=proven,
                               solve_s=time.perf_counter() - start, notes=_limit_notes(notes, status, limits),
                               pruning=report.as_dict(), timings=timings, work_nodes=nodes_explored() - nodes_before)
     if scarcity_mode is None and not diagnose:
@@ -210,8 +212,10 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     solved = cg.result.status if cg.result.status in ilp.FEASIBLE else ilp.unproven()
     values, solved = _searched(problem, columns, values, solved, targets, notes, timings, max_nodes, time_limit_s)
     every = reach.statuses + [cg.result.status, solved]
+    proven = _bounded(problem, columns, values, solved, targets, cg.result.bound, notes, timings, max_nodes,
+                      time_limit_s)
     return build_plan(problem, method, status, _instances(columns, values),
-                      lp_bound=cg.lp_objective, mip_bound=cg.result.bound, solve_s=time.perf_counter() - start,
+                      lp_bound=cg.lp_objective, mip_bound=proven, solve_s=time.perf_counter() - start,
                       demand_scale=scale, notes=_limit_notes(notes, ilp.unproven(*every), limits),
                       bottlenecks=diag.bottlenecks, pruning=report.as_dict(), timings=timings,
                       work_nodes=nodes_explored() - nodes_before)
@@ -230,6 +234,21 @@ def _searched(problem: AllocationProblem, columns: Sequence[Column], values: Seq
     timings["lns_s"] = time.perf_counter() - t0
     notes.append(found.note())
     return found.values, ilp.unproven(status, *found.statuses)
+
+
+def _bounded(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float], status: str,
+             targets: Mapping[DemandKey, float] | None, solver_bound: float, notes: list[str],
+             timings: dict[str, float], max_nodes: int | None, time_limit_s: float) -> float:
+    """The best proven bound on a plan's cost: the solver's, raised by the Lagrangian bound (`lagrange`) when the
+    plan is unproven and that bound is stronger."""
+    if status == "optimal" or not lagrange.applies(problem):
+        return solver_bound
+    t0 = time.perf_counter()
+    lag = lagrange.bound(problem, columns, targets, _objective(problem, columns, values), max_nodes=max_nodes,
+                         time_limit_s=time_limit_s)
+    timings["lagrange_s"] = time.perf_counter() - t0
+    notes.append(lag.note())
+    return max([b for b in (solver_bound, lag.bound) if math.isfinite(b)], default=math.nan)
 
 
 def _objective(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float]) -> float:
