@@ -125,3 +125,25 @@ def test_the_replan_job_is_limited_to_one_run_in_progress(tmp_path):
     (key, value), = REPLAN_TAG.items()
     assert [(lim["key"], lim.get("value"), lim["limit"]) for lim in limits] == [(key, value, 1)]
     assert defs.resolve_job_def("replan").tags.items() >= REPLAN_TAG.items()
+
+
+def test_dg_loads_the_same_code_location_the_package_defines():
+    """`dg check defs` passes and `dg list defs --json` lists what `coral_dagster.definitions.defs` holds."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    dg_cli = Path(sys.executable).parent / "dg"
+    root = Path(__file__).resolve().parents[1]
+    check = subprocess.run([str(dg_cli), "check", "defs"], cwd=root, capture_output=True, text=True, timeout=600)
+    assert check.returncode == 0, check.stdout + check.stderr
+    listed = json.loads(subprocess.run([str(dg_cli), "list", "defs", "--json"], cwd=root, capture_output=True,
+                                       text=True, timeout=600, check=True).stdout)
+    repo = defs.get_repository_def()
+    assert {a["asset_key"] for a in listed["assets"]} == {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
+    assert {c["name"] for c in listed["asset_checks"]} == {k.name for k in repo.asset_graph.asset_check_keys}
+    assert {j["name"] for j in listed["jobs"]} == {j.name for j in repo.get_all_jobs()
+                                                   if not j.name.startswith("__")}
+    assert {s["name"] for s in listed["sensors"]} == {s.name for s in repo.sensor_defs}
+    assert {s["name"] for s in listed["schedules"]} == {s.name for s in repo.schedule_defs}
