@@ -3,7 +3,8 @@
 
 Instances: `default` (full demand) and `A:mode` (availability ×A, scarcity mode scale or fair) per scenario.
 Methods on each: `coral` (the planner as `coral plan` runs it: Homo-ILP incumbent, column generation, reduced-cost
-fixing), and on `default` also `highs-shares` (HiGHS alone on the whole ILP over every pruned column, the
+fixing, its plan's bound the stronger of HiGHS's and the Lagrangian bound (`allocation.lagrange`, reported beside
+it) when the plan is unproven), and on `default` also `highs-shares` (HiGHS alone on the whole ILP over every pruned column, the
 formulation Coral solves) and `highs` (the same with the routing shares eliminated, `ilp._projected_demand`): the
 same work limit per MIP, so their bounds and gaps compare whatever the machine's load.
 Per scenario, optionally, the wall time of a re-plan in a fresh process (`app.rounds.plan_round`, imports included).
@@ -68,6 +69,7 @@ def _rows(scn, templates, setting: str, max_nodes: int, alone: bool) -> list[dic
              "lp_usd_per_hour": plan.lp_bound_usd_per_hour, "min_served": min(plan.served_fraction().values()),
              "timings_s": dict(plan.timings_s),
              "scarcity_note": next((n for n in plan.notes if n.startswith(("uniform scarcity", "max-min"))), None),
+             "lagrange_usd_per_hour": _lagrange(plan.notes),
              **cost}]
     if alone and mode is None:
         columns, _ = prune_columns(problem)
@@ -79,6 +81,12 @@ def _rows(scn, templates, setting: str, max_nodes: int, alone: bool) -> list[dic
                          "bound_usd_per_hour": r.bound, "gap": gap, "lp_usd_per_hour": rows[0]["lp_usd_per_hour"],
                          "columns": len(columns), **cost})
     return rows
+
+
+def _lagrange(notes) -> float:
+    """The Lagrangian bound a plan's notes give (NaN when the plan was proven without one)."""
+    note = next((n for n in notes if n.startswith("Lagrangian bound")), None)
+    return float(note.split(": ")[1].split(" $/h")[0]) if note else float("nan")
 
 
 def _fresh_replan(scn_name: str, db_path: str, max_nodes: int) -> dict:
@@ -165,14 +173,15 @@ def main() -> None:
             print(json.dumps({name: doc["fresh_replan"][name]}), flush=True)
     doc["load_avg_end"] = os.getloadavg()
     doc["headline"] = headline(doc["rows"])
-    print("| scenario | setting | method | status | $/h | bound | gap | LP | nodes | CPU s | wall s |")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| scenario | setting | method | status | $/h | bound | gap | Lagrangian | LP | nodes | CPU s | wall s |")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in doc["rows"]:
         if "error" in r:
             print(f"| {r['scenario']} | {r['setting']} | {r['method']} | {r['status']}: {r['error']} |")
             continue
         print(f"| {r['scenario']} | {r['setting']} | {r['method']} | {r['status']} | {r['usd_per_hour']:,.2f} | "
-              f"{r['bound_usd_per_hour']:,.2f} | {r['gap']:.2%} | {r['lp_usd_per_hour']:,.2f} | "
+              f"{r['bound_usd_per_hour']:,.2f} | {r['gap']:.2%} | {r.get('lagrange_usd_per_hour', float('nan')):,.2f} | "
+              f"{r['lp_usd_per_hour']:,.2f} | "
               f"{r['work_nodes']:,} | {r['cpu_s']:.1f} | {r['wall_s']:.1f} |")
     print(f"written to {write_result('solve_times', doc, out=Path(args.out) if args.out else None)}")
 

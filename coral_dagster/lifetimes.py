@@ -11,7 +11,8 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import InvalidStateError, ProcessPoolExecutor
+from concurrent.futures.process import _ExecutorManagerThread
 from contextlib import contextmanager
 
 # <linux/prctl.h>
@@ -56,6 +57,22 @@ def stop_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def quiet_cancelled_teardown(previous):
+    """`previous` (a `threading.excepthook`) without the traceback CPython 3.11 prints when a pool's workers are
+    killed while its futures are being cancelled: the executor's manager thread then sets the broken-pool error on
+    a cancelled future and dies of InvalidStateError (`terminate_broken` does not check the future's state). Every
+    other thread's exception still reaches `previous`."""
+    if getattr(previous, "quiet_cancelled_teardown", False):
+        return previous
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if not (isinstance(args.exc_value, InvalidStateError) and isinstance(args.thread, _ExecutorManagerThread)):
+            previous(args)
+
+    hook.quiet_cancelled_teardown = True  # type: ignore[attr-defined]
+    return hook
+
+
 @contextmanager
 def worker_pool(processes: int) -> Iterator[ProcessPoolExecutor]:
     """A process pool whose workers die with this process; leaving the block by an exception (Ctrl-C included)
@@ -70,6 +87,7 @@ def worker_pool(processes: int) -> Iterator[ProcessPoolExecutor]:
     try:
         yield pool
     except BaseException:
+        threading.excepthook = quiet_cancelled_teardown(threading.excepthook)
         for child in set(multiprocessing.active_children()) - before:
             child.kill()
         pool.shutdown(wait=False, cancel_futures=True)

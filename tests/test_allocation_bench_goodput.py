@@ -18,6 +18,8 @@ from coral_dagster.errors import InfeasibleError, UnknownNameError
 from coral_dagster.simulator import goodput_estimator, simulate_plan
 from coral_dagster.templates.best import best_for_nodes
 
+pytestmark = pytest.mark.slow  # plans and simulates core several times (`-m "not slow"` leaves it out)
+
 
 @pytest.fixture(scope="module")
 def core():

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from coral_dagster.allocation.methods import make_plan
 
 from brute_force import every_plan, routed
@@ -19,6 +21,7 @@ def _best_level(problem) -> float:
                every_plan(problem, pairs, dict(problem.available_nodes)))
 
 
+@pytest.mark.slow
 def test_a_uniform_level_is_the_brute_force_best_or_names_a_bound_that_holds_it():
     named = 0
     for seed in range(10):

@@ -31,7 +31,7 @@ def test_eliminating_the_shares_keeps_every_optimum(seed, regions):
             assert share >= want - 1e-6
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 3 else s for s in range(6)])
 def test_the_projected_ilp_finds_the_brute_force_optimum(seed):
     problem = random_problem(seed, n_models=2, gpus=("L4", "L40S"), counts=(1,), n_max=2, regions=("r1", "r2"),
                              avail_range=(1, 3), demand_range=(400.0, 2500.0))

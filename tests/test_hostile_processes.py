@@ -66,3 +66,25 @@ def test_a_stopped_command_leaves_no_worker_and_no_lock(tmp_path, command, sig):
         assert proc.returncode != 0 and "Traceback" not in err
     with duckdb.connect(str(db)) as con:
         assert con.execute("SELECT answer FROM kept").fetchall() == [(42,)]
+
+
+def test_only_the_cancelled_pool_teardown_is_kept_quiet():
+    """The hook `worker_pool` installs on its way out drops the executor manager thread's InvalidStateError (the
+    CPython 3.11 race behind a traceback on SIGTERM) and passes every other thread exception on, once installed."""
+    import threading
+    from concurrent.futures import InvalidStateError, ProcessPoolExecutor
+
+    from coral_dagster.lifetimes import quiet_cancelled_teardown
+
+    seen = []
+    hook = quiet_cancelled_teardown(seen.append)
+    assert quiet_cancelled_teardown(hook) is hook
+    with ProcessPoolExecutor(1) as pool:
+        pool.submit(int, "1").result()
+        manager = pool._executor_manager_thread
+        other = threading.Thread(target=int)
+        cases = [(InvalidStateError("CANCELLED"), manager), (RuntimeError("boom"), manager),
+                 (InvalidStateError("CANCELLED"), other)]
+        for exc, thread in cases:
+            hook(threading.ExceptHookArgs([type(exc), exc, None, thread]))
+    assert [(type(a.exc_value), a.thread) for a in seen] == [(RuntimeError, manager), (InvalidStateError, other)]

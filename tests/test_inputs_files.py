@@ -27,7 +27,7 @@ def setup(tmp_path_factory):
     folder = tmp_path_factory.mktemp("files")
     scenario, db = build_small(folder)
     plan = _json(CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--no-store", "--json", "--db",
-                                           str(db)]))
+                                           str(db), "--no-closed-loop"]))
     assert plan["instances"]
     return folder, scenario, db, plan
 
@@ -107,7 +107,7 @@ def test_prices_file_prices_the_plan(setup, tmp_path, monkeypatch):
     folder, scenario, db, plan = setup
     prices = _price_file(tmp_path / "p.csv", PRICES)
     out = _json(CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--no-store", "--json", "--db", str(db),
-                                          "--prices", str(prices)]))
+                                          "--prices", str(prices), "--no-closed-loop"]))
     # Oracle: each instance costs the sum of our prices over its nodes, and nothing else is priced.
     for i in out["instances"]:
         nodes = NodeMultiset.parse(i["nodes"])

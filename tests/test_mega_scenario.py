@@ -32,6 +32,7 @@ def test_mega_offers_exactly_what_the_price_files_sell_in_twelve_regions_of_both
     assert {str(n) for n in scn.node_configs} == {n for _, n in sold}  # exactly the sold configurations
 
 
+@pytest.mark.slow
 def test_a_slice_of_mega_plans_within_its_market():
     scn = load_scenario("mega")
     scn = replace(scn, models=tuple(m for m in scn.models if m.base == "gpt-oss-20b"), n_max=1)

@@ -120,6 +120,7 @@ def test_every_plan_round_trips_through_a_plan_file(plan, tmp_path):
     assert same(_expect_from_file(plan, path), plan)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(plan=plans())
 def test_every_plan_round_trips_through_the_store(plan, store):
@@ -127,6 +128,7 @@ def test_every_plan_round_trips_through_the_store(plan, store):
     assert stored.plan_id and same(load_plan(store, stored.plan_id), replace(plan, plan_id=stored.plan_id))
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(plan=plans())
 def test_every_plan_round_trips_through_json_output_into_a_file(plan, tmp_path, capsys):
@@ -217,6 +219,7 @@ def test_a_plan_file_launches_with_its_admission_limits(tmp_path):
     assert parse_admit(envs["CORAL_ADMIT"]) == ({"phi-4": 1.25}, {"phi-4": 40.0}, {"phi-4": (3.0, 6.0)})
 
 
+@pytest.mark.slow
 def test_coral_plan_json_loads_as_the_plan_it_stored(tmp_path):
     """The document `coral plan --json` prints, saved as a file, is the plan the store holds (real solve)."""
     from scenario_docs import build_small

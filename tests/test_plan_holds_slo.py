@@ -11,6 +11,8 @@ from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.simulator.simulate import simulate_plan
 from coral_dagster.templates.library import build_library
 
+pytestmark = pytest.mark.slow  # a real two-model plan and minutes of simulation (`-m "not slow"` leaves it out)
+
 MODELS = ("gpt-oss-20b", "phi-4")
 
 
@@ -55,7 +57,6 @@ def test_burst_aware_plan_holds_its_target_on_the_scenario_traces(planned, seed)
     assert worse.attainment_by_model["gpt-oss-20b"] < 0.95
 
 
-@pytest.mark.slow
 def test_each_model_simulated_alone_is_the_joint_simulation(planned):
     """The closed loop simulates each model alone, in parallel: models share no instance, node or link and draw
     from their own streams, so each model's requests fare exactly as in the joint simulation (the oracle)."""

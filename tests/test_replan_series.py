@@ -7,6 +7,7 @@ import math
 from datetime import datetime, timedelta, timezone
 
 import dagster as dg
+import pytest
 import yaml
 from click.testing import CliRunner
 from scenario_docs import small
@@ -31,6 +32,7 @@ def _context(db, cursor):
                                                              "solver": SolverSettings()})
 
 
+@pytest.mark.slow
 def test_sensor_replans_exactly_when_a_window_leaves_the_plan_short(tmp_path, monkeypatch):
     doc = small(availability={"profile": "uniform", "default_nodes": DEFAULT_NODES,
                               "series": {"window_min": WINDOW_MIN, "multipliers": MULTIPLIERS,

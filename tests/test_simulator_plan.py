@@ -40,6 +40,7 @@ def phi4_core():
     return scn, plan
 
 
+@pytest.mark.slow
 def test_plan_meets_slos_at_planned_demand_and_not_at_three_times(phi4_core):
     """Poisson arrivals at exactly the planned rate (a trace replay's 10-minute windows run up to 20% off it),
     over three seeds. T̂ keeps 95% of prompts within slo_margin × the SLO, so twice the planned rate still holds

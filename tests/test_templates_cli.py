@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from coral_dagster.cli.templates import cli
@@ -49,6 +50,7 @@ def test_best_errors_are_coral_errors():
     assert isinstance(r.exception, CoralError) and "unknown model" in str(r.exception)
 
 
+@pytest.mark.slow
 def test_build_then_list(tmp_path):
     db = str(tmp_path / "c.duckdb")
     r = run("build", "--scenario", "core", "--models", "gpt-oss-20b", "--processes", "1", "--db", db, "--json")

@@ -91,7 +91,7 @@ def test_sweep_matches_per_multiset_fast_method_and_pruning_matches_pairwise(see
 
 
 @pytest.fixture(scope="module")
-def small_library():
+def small_library():  # its tests are marked slow: a real library over core's node types (~30-45 s to build)
     scn = load_scenario("core")
     tables = {(MODEL, p): build_tables(workload_for(scn.model(MODEL), p), scn.node_configs, scn.n_max)
               for p in ("prefill", "decode", "aggregated")}
@@ -100,6 +100,7 @@ def small_library():
     return scn, tables, kept, everything, stats
 
 
+@pytest.mark.slow
 def test_library_templates_verify_and_pruning_is_exactly_dominance(small_library):
     scn, tables, kept, everything, stats = small_library
     assert check_library(everything, tables) == []
@@ -125,6 +126,7 @@ def test_library_templates_verify_and_pruning_is_exactly_dominance(small_library
         len(enumerate_multisets(scn.node_configs, get_model(MODEL).total_weight_bytes, scn.n_max, scn.rho))}
 
 
+@pytest.mark.slow
 def test_parallel_build_equals_serial(small_library):
     scn, tables, kept, _, _ = small_library
     parallel, stats = build_library_with_stats(scn, processes=2, models=[MODEL], tables=tables)
@@ -132,6 +134,7 @@ def test_parallel_build_equals_serial(small_library):
     assert parallel == kept
 
 
+@pytest.mark.slow
 def test_frame_and_duckdb_round_trip(small_library, tmp_path):
     _, _, kept, _, _ = small_library
     assert templates_from_frame(templates_to_frame(kept, "core")) == kept
@@ -149,6 +152,7 @@ def test_frame_and_duckdb_round_trip(small_library, tmp_path):
     assert load_library(Store(tmp_path / "empty.duckdb"), "core") == []
 
 
+@pytest.mark.slow
 def test_n_max_and_rho_override_the_scenario(small_library):
     scn, tables, kept, _, _ = small_library
     small, stats = build_library_with_stats(scn, processes=1, models=[MODEL], tables=tables, n_max=3, rho=6)
