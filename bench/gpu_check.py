@@ -20,9 +20,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench._results import RESULTS as RESULTS_DIR, write_result
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-from bench._results import RESULTS as RESULTS_DIR, write_result  # noqa: E402 - run as a script from the node env
 
 RESULTS = RESULTS_DIR / "gpu_check.json"
 PLANNER_PY = os.environ.get("CORAL_PLANNER_PYTHON", "")

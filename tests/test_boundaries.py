@@ -141,3 +141,16 @@ def test_the_layering_check_reports_a_cycle(tmp_path):
     (fake / "catalog" / "x.py").write_text("def f():\n    from coral_dagster.templates.types import Template\n")
     (fake / "templates" / "y.py").write_text("from coral_dagster.catalog import x\n")
     assert _upward(fake) == {"catalog -> templates"}
+
+
+def test_no_code_edits_the_import_path():
+    """`bench/` and the package import as packages (`python -m bench.x` from the root), never by editing sys.path."""
+    edits = []
+    for folder in ("coral_dagster", "bench", "assets", "resources", "sky_tasks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+                        node.value.attr == "path" and isinstance(node.value.value, ast.Name) and \
+                        node.value.value.id == "sys" and node.attr in ("insert", "append", "extend"):
+                    edits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not edits, edits
