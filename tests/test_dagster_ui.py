@@ -54,7 +54,10 @@ def _wait_http(url: str, timeout_s: float) -> None:
 @pytest.fixture
 def dagster_dev(tmp_path):
     port = _free_port()
-    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "CORAL_DB": str(tmp_path / "coral.duckdb")}
+    # The sensor's preview plans tripled demand (a scarcity plan: 75-110 s on 2 loaded cores), past Dagster's
+    # default 60-s sensor call timeout; README "Dagster" says to raise it the same way.
+    env = {**os.environ, "DAGSTER_HOME": str(tmp_path / "home"), "CORAL_DB": str(tmp_path / "coral.duckdb"),
+           "DAGSTER_SENSOR_GRPC_TIMEOUT_SECONDS": "600"}
     (tmp_path / "home").mkdir()
     dagster = Path(sys.executable).with_name("dagster")
     proc = subprocess.Popen([str(dagster), "dev", "-h", "127.0.0.1", "-p", str(port)], cwd=ROOT, env=env,
