@@ -56,8 +56,10 @@ def bound(problem: AllocationProblem, columns: Sequence[Column], targets: Mappin
           time_limit_s: float) -> LagrangeBound:
     """A lower bound on the cost of every plan over `columns` serving `targets` (default: all demand); `upper` is a
     plan's cost (the step aims at it). NaN when a sub-solve proves no bound or the problem pays churn."""
+    if not applies(problem):
+        return LagrangeBound(math.nan, math.nan, 0, 0, ())
     lp = ilp.min_cost(problem, columns, targets, integer=False, time_limit_s=time_limit_s)
-    if not applies(problem) or lp.status != "optimal":
+    if lp.status != "optimal":
         return LagrangeBound(math.nan, lp.objective, 0, 0, ())
     price = {key[1:]: max(0.0, -v) for key, v in (lp.row_duals or {}).items() if key[0] == "avail"}
     models = sorted({k[0] for k, d in problem.demand_tokens_per_s.items() if d > 0})
