@@ -6,8 +6,10 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from collections import Counter
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import yaml
@@ -19,19 +21,21 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.cli import launch as launch_cli
 from coral_dagster.deploy import state
-from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult
+from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult, resolve_secrets
 from deploy_fakes import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.deploy.tasks import role_template
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime import credentials
 from coral_dagster.runtime.config import format_admit, parse_admit
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
 
 PRICES = load_node_prices()
 SECRETS = {"HF_TOKEN": "hf_SENTINEL_7f3a9", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_e41c",
-           "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_0b2d"}
+           "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_0b2d",
+           "CORAL_REGISTRATION_KEY": "registration_SENTINEL_5c81_never_on_a_node", "CORAL_API_KEY": "api_SENTINEL_77d1"}
 
 
 def template(model: str, phase: str, stages: list[tuple[int, list[str], list[float]]]) -> Template:
@@ -350,6 +354,10 @@ if args[:2] == ["status", "--ip"]:
     sys.exit(0)
 with open(os.environ["FAKE_SKY_LOG"], "a") as log:
     log.write(json.dumps(args) + "\\n")
+# What `--secret NAME` hands SkyPilot: $NAME of the launching shell.
+names = [args[i + 1] for i in range(len(args) - 1) if args[i] == "--secret"]
+with open(os.environ["FAKE_SKY_LOG"] + ".secrets", "a") as log:
+    log.write(json.dumps({n: os.environ.get(n) for n in names}) + "\\n")
 """
 
 
@@ -363,11 +371,16 @@ def _run_script(dry, ips: dict[str, str], tmp_path) -> list[list[str]]:
     (tmp_path / "ips.json").write_text(json.dumps(ips))
     log = tmp_path / "sky.log"
     log.write_text("")
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "FAKE_SKY_LOG": str(log),
-           "FAKE_SKY_IPS": str(tmp_path / "ips.json")}
-    done = subprocess.run(["bash", str(dry.script)], env=env, capture_output=True, text=True, timeout=60)
+    env = {**os.environ, **SECRETS, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "FAKE_SKY_LOG": str(log), "FAKE_SKY_IPS": str(tmp_path / "ips.json")}
+    done = subprocess.run(["bash", str(dry.script)], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in log.read_text().splitlines()], done.stdout
+
+
+def _handed_secrets(tmp_path) -> list[dict[str, str | None]]:
+    """The secret values each recorded `sky launch` was handed, in call order."""
+    return [json.loads(line) for line in (tmp_path / "sky.log.secrets").read_text().splitlines()]
 
 
 def _launched_config(call: list[str], folder) -> tuple[str, dict, list[str]]:
@@ -401,11 +414,16 @@ def test_dry_run_script_launches_what_a_real_run_launches_from_one_yaml_per_kind
               r.config["resources"]["region"], r.config["envs"].get("CORAL_HEAD"), r.config["resources"]["ports"]
               .__repr__()) for r in launcher.requests.values()}
     assert len(dry.yaml_paths) == len(kinds) < clusters_of(P1)
-    for call in calls:
+    for call, handed in zip(calls, _handed_secrets(tmp_path), strict=True):
         cluster, cfg, secrets = _launched_config(call, dry.script.parent)
         real = launcher.requests[cluster]
         assert cfg["resources"] == real.config["resources"] and cfg["envs"] == real.config["envs"], cluster
         assert cfg["run"] == real.config["run"] and sorted(secrets) == sorted(real.secret_names)
+        # Each instance's nodes get the credential of their own instance, as `coral launch` derives it.
+        assert handed == resolve_secrets(real.secret_names, SECRETS, real.config["envs"].get("CORAL_INSTANCE", ""))
+        # The registration key goes to the coordinator only.
+        assert ("CORAL_REGISTRATION_KEY" in handed) == (cluster == diff.coordinator.cluster_name)
+        assert ("CORAL_INSTANCE_CREDENTIAL" in handed) == (cluster != diff.coordinator.cluster_name)
     coordinator = diff.coordinator.cluster_name
     assert f"OpenAI API: http://{launcher.ips[coordinator]}:8000/v1" in out
     # Each wired cluster's address is looked up once, into a variable, not once per use.
@@ -480,7 +498,10 @@ def test_secrets_never_reach_yaml_duckdb_logs_or_output(monkeypatch, tmp_path, c
     for table in ("deployment_nodes", "deployment_events", "deployments"):
         texts.append(store.query(f"SELECT * FROM {table}").to_csv())
     blob = store.path.read_bytes()
-    for value in SECRETS.values():
+    derived = [credentials.instance_credential(SECRETS["CORAL_REGISTRATION_KEY"], r.config["envs"]["CORAL_INSTANCE"])
+               for r in launcher.requests.values() if "CORAL_INSTANCE" in r.config["envs"]]
+    assert derived
+    for value in [*SECRETS.values(), *derived]:
         assert all(value not in t for t in texts)
         assert value.encode() not in blob
     for p in (tmp_path / "dry").glob("*.yaml"):

@@ -29,13 +29,15 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
+from coral_dagster.runtime import credentials
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
 from deploy_fakes import RecordingDrainer, RecordingLauncher
 
 PRICES = load_node_prices()
 SENTINEL = {"HF_TOKEN": "hf_SENTINEL_51d0", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_9a7e",
-            "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_c3f2"}
+            "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_c3f2",
+            "CORAL_REGISTRATION_KEY": "registration_SENTINEL_0b5d_kept_on_this_machine"}
 # An AWS zone ID with a metro segment (usw2-lax1-az1) is a Local Zone, which Coral does not price.
 LOCAL_ZONE = re.compile(r"^[a-z]+\d+-[a-z]+\d+-az\d+$")
 
@@ -225,6 +227,7 @@ def probe(tmp_path_factory):
     result = json.loads(done.stdout)
     result["_stderr"] = done.stderr
     result["_diff"] = diff
+    result["_engine_instance"] = engine.config["envs"]["CORAL_INSTANCE"]
     result["_launcher"] = launcher
     result["_wired"] = {str(p) for p in wired}
     result["_kinds"] = {str(p) for p in dry.yaml_paths}
@@ -350,8 +353,15 @@ def test_the_dry_run_script_launches_what_a_real_run_launches_as_skypilot_reads_
 
 
 def test_secrets_go_to_skypilot_as_secrets_only(probe):
+    """An engine node gets the shell's secrets, less the registration key, and its own instance's credential."""
     s = probe["secrets"]
-    assert s["values"] == SENTINEL
+    instance = probe["_engine_instance"]
+    own = credentials.instance_credential(SENTINEL["CORAL_REGISTRATION_KEY"], instance)
+    assert s["values"] == {**{k: v for k, v in SENTINEL.items() if k != "CORAL_REGISTRATION_KEY"},
+                           "CORAL_INSTANCE_CREDENTIAL": own}
+    others = {n.env()["CORAL_INSTANCE"] for n in probe["_diff"].nodes_to_launch() if n.role != "coordinator"}
+    assert len(others) > 1 and all(credentials.instance_credential(SENTINEL["CORAL_REGISTRATION_KEY"], i) != own
+                                   for i in others - {instance})
     assert not s["in_envs"] and not s["in_redacted_yaml"] and s["refs_left"] == []
     assert s["missing_refused"]
     assert all(v not in probe["_stderr"] for v in SENTINEL.values())

@@ -148,9 +148,11 @@ def test_one_table_names_every_coral_variable_of_the_runtime():
     table = {e.value for e in Env}
     options = _serve_envvars()
     assert options <= table
-    # Variables no option reads: the CURVE keys (read by every role) and those of the task scripts.
-    assert table - options == {Env.CURVE_SECRET_KEY, Env.CURVE_PUBLIC_KEYS, Env.HEAD, Env.VLLM_SPEC,
-                               Env.PROFILE_NODE, Env.PROFILE_LAYERS, Env.MODELS_DIR}
+    # Variables no option reads: the keys (secrets travel in the environment, never on a command line) and those of
+    # the task scripts.
+    assert table - options == {Env.CURVE_SECRET_KEY, Env.CURVE_PUBLIC_KEYS, Env.REGISTRATION_KEY,
+                               Env.INSTANCE_CREDENTIAL, Env.HEAD, Env.VLLM_SPEC, Env.PROFILE_NODE, Env.PROFILE_LAYERS,
+                               Env.MODELS_DIR}
     # What the deployment specs and SkyPilot tasks set, and what any runtime module reads, is in the table.
     written = set()
     for path in [ROOT / "coral_dagster" / "deploy" / "spec.py", ROOT / "coral_dagster" / "deploy" / "tasks.py",

@@ -12,9 +12,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import zmq
+from click.testing import CliRunner
 
+from coral_dagster.cli import serve as serve_cli
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime import wire
+from coral_dagster.runtime import credentials, wire
 from coral_dagster.runtime.client import Client
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
 from coral_dagster.runtime.coordinator import Coordinator
@@ -77,19 +79,20 @@ class Relay:
             s.close()
 
 
-def _deploy(stack: ExitStack, keys: CurveKeys | None) -> tuple[str, EngineNode, Relay]:
+def _deploy(stack: ExitStack, keys: CurveKeys | None, registration_key: str = "") -> tuple[str, EngineNode, Relay]:
     """Coordinator, scheduler and two engine nodes (layers 0:6, 6:12) as threads, each with its own context;
-    stage 1 is reached through a recording relay."""
+    stage 1 is reached through a recording relay. With `registration_key`, instance i0 proves its credential."""
     contexts = [zmq.Context() for _ in range(4)]
     for ctx in contexts:
         stack.callback(ctx.term)
     insecure = keys is None
     coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
-                        insecure, ctx=contexts[0])
+                        insecure, ctx=contexts[0], registration_key=registration_key)
     background(stack, coord.run)
+    credential = credentials.instance_credential(registration_key, "i0") if registration_key else ""
     sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, coord.address,
                                       listen="tcp://127.0.0.1:*", timing=TIMING), keys, insecure,
-                      ctx=contexts[1])
+                      ctx=contexts[1], credential=credential)
     background(stack, sched.run)
     port1 = free_port()
     relay = Relay(port1)
@@ -193,9 +196,9 @@ def test_every_role_refuses_plain_tcp_unless_told_the_network_is_trusted():
         ctx.term()
 
 
-def _ready(stack: ExitStack, keys: CurveKeys) -> tuple[str, Client, zmq.Context]:
+def _ready(stack: ExitStack, keys: CurveKeys, registration_key: str = "") -> tuple[str, Client, zmq.Context]:
     """A deployed, ready instance: its coordinator address, the owner's client, a context for other peers."""
-    address, _, _ = _deploy(stack, keys)
+    address, _, _ = _deploy(stack, keys, registration_key)
     owner = Client(address, keys=keys, ctx=zmq.Context.instance(), timeout_s=20.0)
     stack.callback(owner.close)
     owner.wait_ready(1, timeout_s=20.0)
@@ -258,6 +261,112 @@ def test_no_peer_can_register_heartbeat_or_displace_a_live_instance_without_its_
         assert "refused" in insider_replies and "reregister" in insider_replies
         done = owner.complete(MODEL, [PROMPT], max_tokens=3, ignore_eos=True)[0]
         assert done["kind"] == "done" and done["instances"] == ["i0"]
+
+
+def _register(sock: zmq.Socket, name: str, credential: str, incarnation: str) -> list[str]:
+    """Register `name` as a scheduler does: answer the coordinator's challenge with a proof of `credential`."""
+    header = {"kind": "register", "instance": name, "model": MODEL, "phase": "aggregated", "tokens_per_s": 1e9,
+              "incarnation": incarnation}
+    wire.send(sock, header, block=True)
+    assert sock.poll(5000)
+    (_, challenge, _), = wire.drain(sock)
+    assert challenge["kind"] == "challenge"
+    answer = credentials.proof(credential, challenge["nonce"], name, incarnation)
+    wire.send(sock, {**header, "proof": answer}, block=True)
+    return _replies(sock, 1.0)
+
+
+def test_an_instance_name_is_bound_to_its_credential_so_an_insider_cannot_take_it_over():
+    keys, registration_key = CurveKeys.generate(), credentials.generate()
+    of = {name: credentials.instance_credential(registration_key, name) for name in ("i0", "x", "insider")}
+    with ExitStack() as stack:
+        # The real scheduler answers the challenge with its credential: i0 becomes ready.
+        address, owner, ctx = _ready(stack, keys, registration_key)
+        insider = _peer(ctx, address, b"insider", _insider(keys))
+        stack.callback(insider.close)
+        # An insider holds the deployment's CURVE key and its own instance's credential, not another's.
+        assert _register(insider, "i0", of["insider"], "a") == ["refused"]
+        assert _register(insider, "new", of["insider"], "b") == ["refused"]
+        wire.send(insider, {"kind": "register", "instance": "new", "model": MODEL, "phase": "aggregated",
+                            "tokens_per_s": 1e9, "proof": "0" * 64}, block=True)
+        assert _replies(insider, 1.0) == ["challenge"]
+        # Instance x registers, and its connection closes (its process is gone, as in a restart).
+        genuine = _peer(ctx, address, b"x-1", _insider(keys))
+        assert _register(genuine, "x", of["x"], "first") == ["registered"]
+        genuine.close()
+        time.sleep(0.5)
+        assert _register(insider, "x", of["insider"], "c") == ["refused"]
+        # Its restart, holding x's credential, takes the name back from a new connection.
+        restarted = _peer(ctx, address, b"x-2", _insider(keys))
+        stack.callback(restarted.close)
+        assert _register(restarted, "x", of["x"], "second") == ["registered"]
+        # The insider may register only the instance whose credential it holds.
+        assert _register(insider, "insider", of["insider"], "d") == ["registered"]
+        live = {i["instance"] for i in owner.status()["instances"]}
+        assert live == {"i0", "x", "insider"}
+        done = owner.complete(MODEL, [PROMPT], max_tokens=3, ignore_eos=True)[0]
+        assert done["kind"] == "done"
+
+
+def test_a_scheduler_without_its_credential_is_challenged_and_never_registered(caplog):
+    keys, registration_key = CurveKeys.generate(), credentials.generate()
+    with ExitStack() as stack:
+        contexts = [zmq.Context() for _ in range(3)]
+        for ctx in contexts:
+            stack.callback(ctx.term)
+        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
+                            ctx=contexts[0], registration_key=registration_key)
+        background(stack, coord.run)
+        sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (12,), CFG.n_layers, coord.address,
+                                          listen="tcp://127.0.0.1:*", timing=TIMING), keys, ctx=contexts[1])
+        background(stack, sched.run)
+        node = EngineNode(NodeSettings("n0", MODEL, 0, 12, CFG.n_layers, 0, sched.address,
+                                       listen="tcp://127.0.0.1:*", timing=TIMING),
+                          torch_engine.TorchEngine(CFG, 0, 12), keys, ctx=contexts[2])
+        background(stack, node.run)
+        with caplog.at_level("WARNING"):
+            deadline = time.monotonic() + 3.0
+            while time.monotonic() < deadline and "CORAL_INSTANCE_CREDENTIAL is not set" not in caplog.text:
+                time.sleep(0.1)
+        assert "CORAL_INSTANCE_CREDENTIAL is not set" in caplog.text
+        assert sched.healthy and not sched.registered and coord.instances == {}
+
+
+def test_serve_keys_prints_keys_and_credentials_a_coordinator_accepts(monkeypatch):
+    """`coral serve keys` gives a working CURVE pair and a registration key; `--credential NAME` run with that key
+    prints what a coordinator holding it accepts for NAME, and only for NAME."""
+    runner = CliRunner()
+    doc = json.loads(runner.invoke(serve_cli.serve, ["keys", "--json"], catch_exceptions=False).output)
+    assert set(doc) == {"CORAL_CURVE_SECRET_KEY", "CORAL_CURVE_PUBLIC_KEYS", "CORAL_REGISTRATION_KEY"}
+    keys = CurveKeys.from_env(doc)
+    assert keys.public == zmq.curve_public(keys.secret) == doc["CORAL_CURVE_PUBLIC_KEYS"].encode()
+    monkeypatch.delenv("CORAL_REGISTRATION_KEY", raising=False)
+    refused = runner.invoke(serve_cli.serve, ["keys", "--credential", "i0"])
+    assert isinstance(refused.exception, CoralError) and "CORAL_REGISTRATION_KEY is not set" in str(refused.exception)
+    monkeypatch.setenv("CORAL_REGISTRATION_KEY", doc["CORAL_REGISTRATION_KEY"])
+    printed = runner.invoke(serve_cli.serve, ["keys", "--credential", "i0"], catch_exceptions=False).output.strip()
+    with ExitStack() as stack:
+        ctx = zmq.Context()
+        stack.callback(ctx.term)
+        coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None, timing=TIMING), keys,
+                            ctx=ctx, registration_key=doc["CORAL_REGISTRATION_KEY"])
+        background(stack, coord.run)
+        peer = _peer(ctx, coord.address, b"p", _insider(keys))
+        stack.callback(peer.close)
+        assert _register(peer, "i1", printed, "a") == ["refused"]
+        assert _register(peer, "i0", printed, "b") == ["registered"]
+
+
+def test_a_proof_answers_one_nonce_for_one_name_and_incarnation():
+    key = credentials.generate()
+    cred = credentials.instance_credential(key, "i0")
+    answer = credentials.proof(cred, "n1", "i0", "inc")
+    assert credentials.verify(key, "n1", "i0", "inc", answer)
+    for nonce, name, incarnation in (("n2", "i0", "inc"), ("n1", "i1", "inc"), ("n1", "i0", "other")):
+        assert not credentials.verify(key, nonce, name, incarnation, answer)
+    assert not credentials.verify(credentials.generate(), "n1", "i0", "inc", answer)
+    with pytest.raises(CoralError, match="CORAL_REGISTRATION_KEY holds 5 characters"):
+        credentials.from_env(credentials.Env.REGISTRATION_KEY, {"CORAL_REGISTRATION_KEY": "short"})
 
 
 def test_oversized_messages_are_dropped_before_they_are_read():

@@ -74,11 +74,13 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
     The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
     State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN,
-    CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS, CORAL_API_KEY) are read from this shell at launch and handed to
-    SkyPilot as secrets, never written anywhere. The coordinator's OpenAI URL is printed at the end (and by
-    `coral status`); clients send CORAL_API_KEY as their api_key. --dry-run writes one task YAML per cluster kind
-    and `launch.sh`, which launches every cluster from them in order. A real run
-    needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API server itself.
+    CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS, CORAL_REGISTRATION_KEY, CORAL_API_KEY) are read from this shell
+    at launch and handed to SkyPilot as secrets, never written anywhere; each instance gets its own
+    CORAL_INSTANCE_CREDENTIAL, derived from CORAL_REGISTRATION_KEY, which only the coordinator receives. The
+    coordinator's OpenAI URL is printed at the end (and by `coral status`); clients send CORAL_API_KEY as their
+    api_key. --dry-run writes one task YAML per cluster kind and `launch.sh`, which launches every cluster from them
+    in order. A real run needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API
+    server itself.
     """
     from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import plan_label

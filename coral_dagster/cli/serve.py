@@ -134,7 +134,12 @@ def serve() -> None:
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
                     api_key: str | None, tls_certfile: str | None, tls_keyfile: str | None, admit: str,
                     insecure: bool, as_json: bool, **kw: Any) -> None:
-    """Route requests over ready instances by weighted round-robin and serve the HTTP front door."""
+    """Route requests over ready instances by weighted round-robin and serve the HTTP front door.
+
+    With CORAL_REGISTRATION_KEY in its environment (`coral serve keys`), an instance registers only with a proof of
+    its own credential (CORAL_INSTANCE_CREDENTIAL on its scheduler); without it, instances are bound to their
+    connections only.
+    """
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
     from coral_dagster.runtime.roles import run_coordinator
 
@@ -166,6 +171,9 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
                   tokens_per_s: float, region: str, route_weight: float, insecure: bool, as_json: bool,
                   **kw: Any) -> None:
     """Admit this instance's engine nodes, register with the coordinator when ready, and drive requests.
+
+    A coordinator holding a registration key needs this instance's credential in CORAL_INSTANCE_CREDENTIAL
+    (`coral serve keys --credential INSTANCE`).
 
     The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
     """
@@ -303,12 +311,27 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
 
 
 @serve.command("keys")
+@click.option("--credential", "instance", metavar="INSTANCE", default=None,
+              help="Print instead the credential of instance INSTANCE, derived from $CORAL_REGISTRATION_KEY (what "
+                   "`coral launch` gives that instance's nodes as CORAL_INSTANCE_CREDENTIAL).")
 @_json
-def keys_cmd(as_json: bool) -> None:
-    """Generate a deployment's CURVE keys; pass them to every node as SkyPilot secrets."""
+def keys_cmd(instance: str | None, as_json: bool) -> None:
+    """Generate a deployment's keys: the CURVE keypair every node gets, and the registration key only the coordinator
+    and the launching machine hold (each instance gets a credential derived from it for its own name). Pass them as
+    SkyPilot secrets; `coral launch` reads them from this shell."""
+    from coral_dagster.runtime import credentials
+    from coral_dagster.runtime.protocol import Env
     from coral_dagster.runtime.security import CurveKeys
 
-    env = CurveKeys.generate().env()
+    if instance is not None:
+        key = credentials.from_env(Env.REGISTRATION_KEY)
+        if not key:
+            raise CoralError(f"{Env.REGISTRATION_KEY} is not set in this shell.",
+                             f"export the {Env.REGISTRATION_KEY} that `coral serve keys` printed for this deployment")
+        env = {Env.INSTANCE_CREDENTIAL.value: credentials.instance_credential(key, instance)}
+        click.echo(json.dumps(env) if as_json else env[Env.INSTANCE_CREDENTIAL.value])
+        return
+    env = {**CurveKeys.generate().env(), Env.REGISTRATION_KEY.value: credentials.generate()}
     click.echo(json.dumps(env) if as_json else "\n".join(f"{k}={v}" for k, v in env.items()))
 
 

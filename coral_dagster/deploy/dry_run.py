@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from coral_dagster.deploy import tasks
 from coral_dagster.deploy.spec import COORDINATOR_SLOT, GPU_ROLES, NodeSpec
+from coral_dagster.runtime.protocol import Env
 
 if TYPE_CHECKING:
     from coral_dagster.deploy.reconcile import Diff
@@ -95,8 +96,14 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
                                       later))
     commands = []
     for n, launch in zip(nodes, launches):
+        secrets = tasks.secret_names(n.role)
+        if Env.INSTANCE_CREDENTIAL in secrets:
+            # Derived per instance from CORAL_REGISTRATION_KEY, which stays on this machine.
+            # (An assignment, then `export`: `set -e` stops the script when the derivation fails.)
+            commands.append(f"{Env.INSTANCE_CREDENTIAL}=$(coral serve keys --credential "
+                            f"{shlex.quote(n.env()[Env.INSTANCE])}); export {Env.INSTANCE_CREDENTIAL}")
         line = " ".join(shlex.quote(p) for p in ["sky", "launch", "-y", "-d", "-c", n.cluster_name,
-                                                 *[a for s in tasks.secret_names(n.role) for a in ("--secret", s)]])
+                                                 *[a for s in secrets for a in ("--secret", s)]])
         for key, value in launch.envs:
             line += " --env " + shlex.quote(f"{key}={value}")
         for env, clusters in launch.wired:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Protocol
 
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime import credentials
+from coral_dagster.runtime.protocol import Env
 
 
 class LaunchError(CoralError):
@@ -49,12 +51,25 @@ class Drainer(Protocol):
     def admit(self, coordinator: str, text: str) -> bool: ...
 
 
-def resolve_secrets(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The value of each secret from the environment; every one must be set (empty is passed on as empty)."""
+def resolve_secrets(names: tuple[str, ...], environ: Mapping[str, str] | None = None,
+                    instance: str = "") -> dict[str, str]:
+    """The value of each secret from the environment; every one must be set (empty is passed on as empty).
+
+    `CORAL_INSTANCE_CREDENTIAL` is not read but derived for `instance` from `CORAL_REGISTRATION_KEY` (which itself
+    stays on this machine unless the task names it)."""
     env = os.environ if environ is None else environ
-    missing = [n for n in names if n not in env]
+    credential, registration = Env.INSTANCE_CREDENTIAL.value, Env.REGISTRATION_KEY.value
+    read = [n for n in names if n != credential]
+    needed = read + [registration] if credential in names and registration not in read else read
+    missing = [n for n in needed if n not in env]
     if missing:
         raise CoralError(f"secret(s) {', '.join(missing)} are not set in this shell.",
                          f"export {missing[0]}=... (HF_TOKEN from huggingface.co/settings/tokens, empty for ungated "
-                         "models; both CURVE variables from `coral serve keys`).")
-    return {n: env[n] for n in names}
+                         "models; the CURVE variables and CORAL_REGISTRATION_KEY from `coral serve keys`).")
+    out = {n: env[n] for n in read}
+    if credential in names:
+        if not instance:
+            raise CoralError(f"{credential} is asked for a task without CORAL_INSTANCE.",
+                             "name the instance in the task's envs (the deploy spec does)")
+        out[credential] = credentials.instance_credential(env[registration], instance)
+    return out

@@ -9,13 +9,14 @@ import math
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from coral_dagster.runtime import wire
-from coral_dagster.runtime.protocol import MESSAGES, Kind, Link, check
+from coral_dagster.runtime import credentials, wire
+from coral_dagster.runtime.protocol import MESSAGES, Env, Kind, Link, check
 from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_admit
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
@@ -107,16 +108,26 @@ class Coordinator:
     instance's name from another connection is refused, and once taken (the old connection is gone: a restart),
     the old process's requests resume elsewhere at once. Instances whose model metadata (vocabulary, context,
     layers) disagrees with the deployment's own are refused.
+
+    With a `registration_key`, a registration must also answer a `challenge` with a proof of the instance's
+    credential (`credentials`), so a process holding the deployment's CURVE key cannot register, or take over
+    once its connection is gone, an instance it has no credential for.
     """
 
     def __init__(self, cfg: CoordinatorConfig, keys: CurveKeys | None = None, insecure: bool = False,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, registration_key: str = "") -> None:
         if cfg.http_port is not None and not (cfg.api_key or insecure
                                               or is_local(f"tcp://{cfg.http_host}:{cfg.http_port}")):
             raise CoralError(f"refusing to serve HTTP on {cfg.http_host} to anyone without an API key.",
                              "set CORAL_API_KEY (clients send it as their OpenAI api_key), serve on 127.0.0.1, "
                              "or pass --insecure")
         self.cfg = cfg
+        self.registration_key = registration_key
+        if keys is not None and not registration_key:
+            log.warning("no %s: an instance is bound to the connection that registered it, not to a credential",
+                        Env.REGISTRATION_KEY.value)
+        # The nonce each connection must answer, oldest dropped first.
+        self._nonces: OrderedDict[bytes, str] = OrderedDict()
         self.ctx = ctx or zmq.Context.instance()
         self.security = Security(self.ctx, keys, insecure)
         self.router = self.ctx.socket(zmq.ROUTER)
@@ -242,9 +253,30 @@ class Coordinator:
         log.warning("refused instance %s: %s", name, problem)
         wire.send(self.router, {"kind": "refused", "problem": problem}, to=ident)
 
+    def _proven(self, ident: bytes, name: str, incarnation: str, answer: str | None) -> bool:
+        """Whether the registration answers its connection's nonce with a proof of the instance's credential; else
+        challenges the connection (no answer yet: the same nonce until it is answered) or refuses it (a wrong one)."""
+        nonce = self._nonces.get(ident)
+        if nonce is not None and answer is not None:
+            del self._nonces[ident]
+            if credentials.verify(self.registration_key, nonce, name, incarnation, answer):
+                return True
+            self._refuse(ident, name, f"its credential does not prove instance {name}; set "
+                         f"{Env.INSTANCE_CREDENTIAL.value} to `coral serve keys --credential {name}` run with this "
+                         f"deployment's {Env.REGISTRATION_KEY.value}")
+            return False
+        if nonce is None:
+            self._nonces[ident] = nonce = secrets.token_hex(16)
+            while len(self._nonces) > 4 * MAX_INSTANCES:
+                self._nonces.popitem(last=False)
+        wire.send(self.router, {"kind": Kind.CHALLENGE, "nonce": nonce}, to=ident)
+        return False
+
     def _register(self, ident: bytes, name: str, h: dict[str, Any], now: float) -> None:
         old = self.instances.get(name)
         incarnation = str(h.get("incarnation", ""))
+        if self.registration_key and not self._proven(ident, name, incarnation, h.get("proof")):
+            return
         if old is not None and old.ident != ident and wire.send(self.router, {"kind": "ack"}, to=old.ident):
             self._refuse(ident, name, f"instance {name} is registered and its connection is alive")
             return

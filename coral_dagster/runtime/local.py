@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime import groups, roles
+from coral_dagster.runtime import credentials, groups, roles
 from coral_dagster.runtime.client import Client
 from coral_dagster.layer_split import stage_ranges
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
+from coral_dagster.runtime.protocol import Env
 from coral_dagster.runtime.security import CurveKeys, tcp_endpoint, write_secret
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ class LocalDeployment:
         self.http_port = self.http_port or free_port(self.host)
         self.zmq_port = free_port(self.host)
         self.keys = CurveKeys.generate()
+        self.registration_key = credentials.generate()
         self.api_key = self.api_key or secrets.token_urlsafe(32)
         self.log_dir = Path(self.log_dir or tempfile.mkdtemp(prefix="coral-serve-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -153,7 +155,7 @@ class LocalDeployment:
         """Start `target(**kwargs)` as process `name`, leading its own process group; `own_children` (vLLM, which
         starts its own processes) spawns a fresh interpreter instead of forking from the preloaded server."""
         # Keys travel in the environment (and the API key in the coordinator's config), never on a command line.
-        env = {"OMP_NUM_THREADS": "1", **self.keys.env()}
+        env = {"OMP_NUM_THREADS": "1", **self.keys.env(), **self._secrets(kwargs)}
         log_path = self.log_dir / f"{name}.log"
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
@@ -169,6 +171,15 @@ class LocalDeployment:
         except ProcessLookupError:
             pass  # It has already ended (and its fork server reaped it): `exitcode` reads its status.
         self._roles[name] = (target, kwargs, own_children)
+
+    def _secrets(self, kwargs: dict[str, Any]) -> dict[str, str]:
+        """The coordinator's registration key, or a scheduler's instance credential (none for engine nodes)."""
+        cfg = kwargs.get("cfg")
+        if isinstance(cfg, CoordinatorConfig):
+            return {Env.REGISTRATION_KEY.value: self.registration_key}
+        if isinstance(cfg, SchedulerConfig):
+            return {Env.INSTANCE_CREDENTIAL.value: credentials.instance_credential(self.registration_key, cfg.instance)}
+        return {}
 
     def exitcode(self, name: str, wait_s: float = 0.0) -> int | None:
         """Role `name`'s exit status once its process has ended (waiting up to `wait_s`), else None."""

@@ -40,6 +40,7 @@ class Kind(StrEnum):
     REGISTERED = "registered"
     REREGISTER = "reregister"
     REFUSED = "refused"
+    CHALLENGE = "challenge"
     ACK = "ack"
     GENERATE = "generate"
     PREFILL = "prefill"
@@ -140,7 +141,7 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     Link.SCHEDULER_TO_COORDINATOR: {
         Kind.REGISTER: Shape({**_INSTANCE, "model": S, "phase": S, "tokens_per_s": N},
                              {"incarnation": S, "weight": N + NONE, "region": S + NONE, "split": L, "stages": L,
-                              "limits": D + NONE}),
+                              "limits": D + NONE, "proof": S}),
         Kind.HEARTBEAT: Shape(_INSTANCE, {"incarnation": S, "healthy": B, "in_flight": I, "draining": B,
                                           "stages": L}),
         Kind.HEALTH: Shape({**_INSTANCE, "healthy": B}, {"problem": S}),
@@ -153,7 +154,7 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     },
     Link.COORDINATOR_TO_SCHEDULER: {
         Kind.REGISTERED: Shape(), Kind.REREGISTER: Shape(), Kind.ACK: Shape(),
-        Kind.REFUSED: Shape(optional={"problem": S}),
+        Kind.REFUSED: Shape(optional={"problem": S}), Kind.CHALLENGE: Shape({"nonce": S}),
         Kind.GENERATE: Shape({**_RID, "tokens": L, "max_tokens": I}, {"ignore_eos": B, "sampling": D + NONE}),
         Kind.PREFILL: Shape({**_RID, "tokens": L, "handoff": L}, {"max_tokens": I, "sampling": D + NONE}),
         Kind.DECODE: Shape({**_RID, "prompt_len": I, "max_tokens": I}, {"ignore_eos": B, "sampling": D + NONE}),
@@ -226,6 +227,8 @@ class Env(StrEnum):
     TLS_CERTFILE = "CORAL_TLS_CERTFILE"
     TLS_KEYFILE = "CORAL_TLS_KEYFILE"
     ADMIT = "CORAL_ADMIT"
+    # Coordinator and the launching machine: the key every instance credential derives from.
+    REGISTRATION_KEY = "CORAL_REGISTRATION_KEY"
     # Scheduler.
     INSTANCE = "CORAL_INSTANCE"
     PHASE = "CORAL_PHASE"
@@ -234,6 +237,8 @@ class Env(StrEnum):
     REGION = "CORAL_REGION"
     ROUTE_WEIGHT = "CORAL_ROUTE_WEIGHT"
     TOKENS_PER_S = "CORAL_TOKENS_PER_S"
+    # Its instance's credential (`coral serve keys --credential NAME`), proving its name to the coordinator.
+    INSTANCE_CREDENTIAL = "CORAL_INSTANCE_CREDENTIAL"
     # Engine node.
     NODE = "CORAL_NODE"
     LAYERS = "CORAL_LAYERS"

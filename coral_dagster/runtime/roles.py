@@ -12,8 +12,10 @@ from typing import Any
 
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
+from coral_dagster.runtime import credentials
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig
 from coral_dagster.runtime.limits import ModelLimits
+from coral_dagster.runtime.protocol import Env
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import TINY_PREFIX, decoder_config
 
@@ -56,7 +58,8 @@ def run_coordinator(cfg: CoordinatorConfig, insecure: bool = False, as_json: boo
     from coral_dagster.runtime.coordinator import Coordinator
 
     _setup_logging()
-    coord = Coordinator(cfg, keys=CurveKeys.from_env(), insecure=insecure)
+    coord = Coordinator(cfg, keys=CurveKeys.from_env(), insecure=insecure,
+                        registration_key=credentials.from_env(Env.REGISTRATION_KEY))
     stop = threading.Event()
     stop_on_signals(stop)
     http = f"http://{cfg.http_host}:{coord.http.port}" if coord.http else None
@@ -70,7 +73,8 @@ def run_scheduler(cfg: SchedulerConfig, insecure: bool = False, as_json: bool = 
     from coral_dagster.runtime.scheduler import Scheduler
 
     _setup_logging()
-    sched = Scheduler(cfg, keys=CurveKeys.from_env(), insecure=insecure)
+    sched = Scheduler(cfg, keys=CurveKeys.from_env(), insecure=insecure,
+                      credential=credentials.from_env(Env.INSTANCE_CREDENTIAL))
     stop = threading.Event()
     drain = threading.Event()
     stop_on_signals(drain, stop)

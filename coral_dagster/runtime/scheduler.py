@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import zmq
 
-from coral_dagster.runtime import wire
+from coral_dagster.runtime import credentials, wire
 from coral_dagster.layer_split import stage_ranges
 from coral_dagster.runtime.config import SchedulerConfig
-from coral_dagster.runtime.protocol import Kind, Link, check
+from coral_dagster.runtime.protocol import Env, Kind, Link, check
 from coral_dagster.runtime.security import CurveKeys, Security
 from coral_dagster.runtime.tokenizer import finish_reason
 from coral_dagster.routing import WeightedRoundRobin
@@ -66,11 +66,16 @@ class Scheduler:
     A node is bound to the connection that said hello: routing ids are never handed over to a newer connection,
     and a hello under a known name is taken only once the old connection is gone (a restart), whose requests then
     fail at once, to resume on another instance.
+
+    A coordinator that holds a registration key answers `register` with `challenge {nonce}`; the registration is
+    then sent again with a proof of `credential` (the instance's, from `credentials.instance_credential`).
     """
 
     def __init__(self, cfg: SchedulerConfig, keys: CurveKeys | None = None, insecure: bool = False,
-                 ctx: zmq.Context | None = None) -> None:
+                 ctx: zmq.Context | None = None, credential: str = "") -> None:
         self.cfg = cfg
+        self.credential = credential
+        self._nonce: str | None = None
         self.ranges = stage_ranges(cfg.split)
         # An own context is terminated on close, which flushes the last messages before the process exits.
         self._own_ctx = ctx is None
@@ -116,7 +121,9 @@ class Scheduler:
                 "tokens_per_s": c.tokens_per_s,
                 "region": c.region, "weight": c.route_weight or c.tokens_per_s,
                 "split": list(c.split), "stages": self._stages(),
-                "limits": c.limits.message() if c.limits else None}
+                "limits": c.limits.message() if c.limits else None,
+                **({"proof": credentials.proof(self.credential, self._nonce, c.instance, self.incarnation)}
+                   if self._nonce is not None and self.credential else {})}
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Serve until drained, stopped, or the coordinator, once heard, is silent for `orphan_after_s`; says why."""
@@ -328,7 +335,8 @@ class Scheduler:
 
     # The handler of each kind the coordinator sends.
     COORDINATOR_HANDLERS = {Kind.REGISTERED: "_registered", Kind.REREGISTER: "_reregister", Kind.ACK: "_ack",
-                            Kind.REFUSED: "_refused", Kind.DRAIN: "_drain_ordered", Kind.CANCEL: "_cancel",
+                            Kind.REFUSED: "_refused", Kind.CHALLENGE: "_challenged", Kind.DRAIN: "_drain_ordered",
+                            Kind.CANCEL: "_cancel",
                             Kind.GENERATE: "_admit", Kind.PREFILL: "_admit", Kind.DECODE: "_admit",
                             Kind.FIRST_TOKEN: "_first_token"}
 
@@ -337,7 +345,7 @@ class Scheduler:
         getattr(self, self.COORDINATOR_HANDLERS[kind])(h, now)
 
     def _registered(self, h: dict[str, Any], now: float) -> None:
-        self.registered = True
+        self.registered, self._nonce = True, None
         self._to_coord({"kind": Kind.HEALTH, "healthy": self.healthy, "problem": ""})
 
     def _reregister(self, h: dict[str, Any], now: float) -> None:
@@ -347,7 +355,20 @@ class Scheduler:
         """The coordinator heard a heartbeat (or probed this connection): hearing it is all that counts."""
 
     def _refused(self, h: dict[str, Any], now: float) -> None:
+        self._nonce = None
         log.warning("the coordinator refused instance %s: %s", self.cfg.instance, h.get("problem"))
+
+    def _challenged(self, h: dict[str, Any], now: float) -> None:
+        """Answer at once with a proof of the credential; without one, say what is missing (once per nonce)."""
+        if not self.credential:
+            if self._nonce != h["nonce"]:
+                log.warning("the coordinator asks instance %s to prove its name, and %s is not set",
+                            self.cfg.instance, Env.INSTANCE_CREDENTIAL.value)
+            self._nonce = h["nonce"]
+            return
+        self._nonce = h["nonce"]
+        if all(self._stage_ready()):
+            self._to_coord(self._registration())
 
     def _drain_ordered(self, h: dict[str, Any], now: float) -> None:
         self._drain.set()
