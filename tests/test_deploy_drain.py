@@ -114,3 +114,54 @@ def test_a_live_coordinator_takes_new_admission_limits_and_sheds_by_them(coordin
     assert drainer.admit(coord.address, "") is True and coord.admission.rates == {}
     done.set()
     thread.join(timeout=5)
+
+
+def test_with_a_registration_key_only_its_holder_drains_or_sets_admission():
+    """A coordinator holding the registration key takes `drain` and `admit` over ZeroMQ only with a proof of it:
+    the launching machine's drainer (key in its environment) drains and sets limits; a process holding just the
+    deployment's CURVE key (any engine node) is told what is missing, and a wrong key gets 403, changing nothing."""
+    from coral_dagster.errors import CoralError
+    from coral_dagster.runtime import credentials
+    from coral_dagster.runtime.client import Client
+
+    keys, registration_key = CurveKeys.generate(), credentials.generate()
+    ctx = zmq.Context()
+    coord = Coordinator(CoordinatorConfig(listen="tcp://127.0.0.1:*", http_port=None), keys=keys, ctx=ctx,
+                        registration_key=registration_key)
+    stop = threading.Event()
+    thread = threading.Thread(target=coord.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        # The scheduler played by hand answers the registration challenge with its credential.
+        sock = ctx.socket(zmq.DEALER)
+        sock.linger = 0
+        security = Security(ctx, keys)
+        security.connect(sock, coord.address)
+        header = {"kind": "register", "instance": "i1", "model": "phi-4", "phase": "decode", "tokens_per_s": 1.0,
+                  "incarnation": "x"}
+        wire.send(sock, header, block=True)
+        assert sock.poll(5000)
+        challenge, _ = wire.unpack(sock.recv_multipart())
+        answer = credentials.proof(credentials.instance_credential(registration_key, "i1"), challenge["nonce"], "i1",
+                                   "x")
+        wire.send(sock, {**header, "proof": answer}, block=True)
+        assert sock.poll(5000) and wire.unpack(sock.recv_multipart())[0]["kind"] == "registered"
+
+        with Client(coord.address, keys=keys) as insider:
+            for call in (lambda: insider.drain("i1"), lambda: insider.admit("phi-4=0.001")):
+                with pytest.raises(CoralError, match="only with a proof of the deployment's CORAL_REGISTRATION_KEY"):
+                    call()
+        with Client(coord.address, keys=keys, registration_key=credentials.generate()) as wrong:
+            assert wrong.drain("i1")["status"] == 403 and wrong.admit("phi-4=0.001")["status"] == 403
+        assert coord.instances["i1"].state != "draining" and coord.admit_text == ""
+
+        env = {**keys.env(), "CORAL_REGISTRATION_KEY": registration_key}
+        drainer = CoordinatorDrainer(poll_s=0.02, environ=env)
+        assert drainer.admit(coord.address, "phi-4=0.001") is True and coord.admit_text == "phi-4=0.001"
+        assert drainer.drain(coord.address, "i1", 0.2) is False and coord.instances["i1"].state == "draining"
+        sock.close(linger=0)
+        security.close()
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        ctx.term()

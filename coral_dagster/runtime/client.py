@@ -10,7 +10,8 @@ from typing import Any
 import zmq
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime import wire
+from coral_dagster.runtime import credentials, wire
+from coral_dagster.runtime.protocol import Env, Kind
 from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security
 
@@ -21,8 +22,10 @@ class Client:
     """One DEALER socket; every event names the request's `tag`, so many requests share the socket."""
 
     def __init__(self, endpoint: str, keys: CurveKeys | None = None, ctx: zmq.Context | None = None,
-                 timeout_s: float = 120.0, insecure: bool = False) -> None:
+                 timeout_s: float = 120.0, insecure: bool = False, registration_key: str = "") -> None:
         self.endpoint, self.timeout_s = endpoint, timeout_s
+        # Answers a coordinator's challenge to `drain` and `admit` (the launching machine's key).
+        self.registration_key = registration_key
         self.ctx = ctx or zmq.Context.instance()
         self.security = Security(self.ctx, keys, insecure)
         self.sock = self.ctx.socket(zmq.DEALER)
@@ -90,9 +93,20 @@ class Client:
         return [final[t] for t in tags]
 
     def call(self, header: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:
-        """Send a command (`status`, `drain`, `admit`) and wait for its reply."""
+        """Send a command (`status`, `drain`, `admit`) and wait for its reply; a coordinator's challenge is answered
+        once with a proof of the registration key."""
         tag = self._tag()
         wire.send(self.sock, {**header, "tag": tag}, block=True)
+        reply = self.next_event({tag}, timeout_s)
+        if reply["kind"] != Kind.CHALLENGE:
+            return reply
+        if not self.registration_key:
+            raise CoralError(f"the coordinator at {self.endpoint} takes `{header['kind']}` only with a proof of "
+                             f"the deployment's {Env.REGISTRATION_KEY.value}.",
+                             f"export the {Env.REGISTRATION_KEY.value} that `coral serve keys` printed for it")
+        argument = str(header.get("instance", header.get("admit", "")))
+        answer = credentials.proof(self.registration_key, reply["nonce"], header["kind"], argument)
+        wire.send(self.sock, {**header, "tag": tag, "proof": answer}, block=True)
         return self.next_event({tag}, timeout_s)
 
     def status(self) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class Coordinator:
 
     With a `registration_key`, a registration must also answer a `challenge` with a proof of the instance's
     credential (`credentials`), so a process holding the deployment's CURVE key cannot register, or take over
-    once its connection is gone, an instance it has no credential for.
+    once its connection is gone, an instance it has no credential for; and `drain` and `admit` over ZeroMQ must
+    prove the registration key itself, so such a process cannot drain instances or change admission either.
     """
 
     def __init__(self, cfg: CoordinatorConfig, keys: CurveKeys | None = None, insecure: bool = False,
@@ -233,6 +234,9 @@ class Coordinator:
             else (Link.CLIENT_TO_COORDINATOR,)
         link, kind = check(links, h)
         if link is Link.CLIENT_TO_COORDINATOR:
+            if kind in (Kind.DRAIN, Kind.ADMIT) and sock is self.router and self.registration_key \
+                    and not self._operator_proven(ident, kind, h):
+                return
             getattr(self, self.CLIENT_HANDLERS[kind])(sock, ident, h, now)
             return
         name = h["instance"]
@@ -255,21 +259,45 @@ class Coordinator:
 
     def _proven(self, ident: bytes, name: str, incarnation: str, answer: str | None) -> bool:
         """Whether the registration answers its connection's nonce with a proof of the instance's credential; else
-        challenges the connection (no answer yet: the same nonce until it is answered) or refuses it (a wrong one)."""
+        challenges the connection (no answer yet) or refuses it (a wrong answer)."""
         nonce = self._nonces.get(ident)
-        if nonce is not None and answer is not None:
-            del self._nonces[ident]
-            if credentials.verify(self.registration_key, nonce, name, incarnation, answer):
-                return True
-            self._refuse(ident, name, f"its credential does not prove instance {name}; set "
-                         f"{Env.INSTANCE_CREDENTIAL.value} to `coral serve keys --credential {name}` run with this "
-                         f"deployment's {Env.REGISTRATION_KEY.value}")
+        if nonce is None or answer is None:
+            self._challenge(ident)
             return False
+        del self._nonces[ident]
+        if credentials.verify(self.registration_key, nonce, name, incarnation, answer):
+            return True
+        self._refuse(ident, name, f"its credential does not prove instance {name}; set "
+                     f"{Env.INSTANCE_CREDENTIAL.value} to `coral serve keys --credential {name}` run with this "
+                     f"deployment's {Env.REGISTRATION_KEY.value}")
+        return False
+
+    def _challenge(self, ident: bytes, tag: Any = None) -> None:
+        """Send the connection its nonce (the same one until it is answered)."""
+        nonce = self._nonces.get(ident)
         if nonce is None:
             self._nonces[ident] = nonce = secrets.token_hex(16)
             while len(self._nonces) > 4 * MAX_INSTANCES:
                 self._nonces.popitem(last=False)
-        wire.send(self.router, {"kind": Kind.CHALLENGE, "nonce": nonce}, to=ident)
+        wire.send(self.router, {"kind": Kind.CHALLENGE, "nonce": nonce, **({"tag": tag} if tag else {})}, to=ident)
+
+    def _operator_proven(self, ident: bytes, kind: Kind, h: dict[str, Any]) -> bool:
+        """Whether a drain or admit command over ZeroMQ proves the registration key (the launching machine's); else
+        challenges it, or answers 403 to a wrong proof. (The HTTP admin routes are guarded by the API key.)"""
+        nonce, answer = self._nonces.get(ident), h.get("proof")
+        if nonce is None or answer is None:
+            self._challenge(ident, h.get("tag"))
+            return False
+        del self._nonces[ident]
+        argument = str(h["instance"] if kind is Kind.DRAIN else h.get("admit", ""))
+        if credentials.verify_operator(self.registration_key, nonce, kind.value, argument, answer):
+            return True
+        log.warning("refused a %s command whose proof of %s is wrong", kind.value, Env.REGISTRATION_KEY.value)
+        wire.send(self.router, {"kind": Kind.ERROR, "tag": h.get("tag"), "status": 403,
+                                "problem": f"this {kind.value} command does not prove the deployment's "
+                                           f"{Env.REGISTRATION_KEY.value}",
+                                "fix": f"send it from the machine that launched the deployment, with "
+                                       f"{Env.REGISTRATION_KEY.value} exported"}, to=ident)
         return False
 
     def _register(self, ident: bytes, name: str, h: dict[str, Any], now: float) -> None:

@@ -1,6 +1,7 @@
 """Instance credentials: an instance proves its name to the coordinator with a key derived from the deployment's
 registration key, which only the coordinator and the launching machine hold (engine nodes hold the CURVE key too,
-so CURVE alone cannot tell one instance from another)."""
+so CURVE alone cannot tell one instance from another); the launching machine proves the key itself to drain an
+instance or set admission limits."""
 
 from __future__ import annotations
 
@@ -35,15 +36,21 @@ def instance_credential(registration_key: str, instance: str) -> str:
     return hmac.new(key.encode(), f"coral-instance:{instance}".encode(), hashlib.sha256).hexdigest()
 
 
-def proof(credential: str, nonce: str, instance: str, incarnation: str) -> str:
-    """The answer to the coordinator's `nonce`: binds the credential to this registration of this process."""
-    return hmac.new(credential.encode(), f"{nonce}:{instance}:{incarnation}".encode(), hashlib.sha256).hexdigest()
+def proof(key: str, nonce: str, subject: str, detail: str) -> str:
+    """The answer to the coordinator's `nonce` with `key` (an instance credential, or the registration key), bound
+    to what it is for: (instance, incarnation) for a registration, (command kind, its argument) for a command."""
+    return hmac.new(key.encode(), f"{nonce}:{subject}:{detail}".encode(), hashlib.sha256).hexdigest()
 
 
 def verify(registration_key: str, nonce: str, instance: str, incarnation: str, answer: str) -> bool:
     """Whether `answer` proves instance `instance`'s credential for `nonce` (constant-time)."""
     expected = proof(instance_credential(registration_key, instance), nonce, instance, incarnation)
     return hmac.compare_digest(expected, answer)
+
+
+def verify_operator(registration_key: str, nonce: str, kind: str, argument: str, answer: str) -> bool:
+    """Whether `answer` proves the registration key itself for command `kind` with `argument` (constant-time)."""
+    return hmac.compare_digest(proof(registration_key, nonce, kind, argument), answer)
 
 
 def from_env(var: Env, env: Mapping[str, str] | None = None) -> str:

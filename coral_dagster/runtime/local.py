@@ -224,7 +224,7 @@ class LocalDeployment:
         self.supervise()
 
     def client(self, timeout_s: float = 60.0) -> Client:
-        return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s)
+        return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s, registration_key=self.registration_key)
 
     def wait_ready(self, timeout_s: float = 60.0) -> dict[str, Any]:
         """Block until every instance is registered and ready (restarts begin then); raises naming processes that died."""

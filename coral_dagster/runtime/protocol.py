@@ -129,14 +129,15 @@ _NODE = {"node": S}
 MESSAGES: dict[Link, dict[Kind, Shape]] = {
     # The coordinator checks a request's own fields (prompt, max_tokens, …) and answers with sentences.
     Link.CLIENT_TO_COORDINATOR: {
-        Kind.SUBMIT: Shape(), Kind.CANCEL: Shape(_RID), Kind.DRAIN: Shape({"instance": S}),
-        Kind.ADMIT: Shape(optional={"admit": S}), Kind.STATUS: Shape(),
+        Kind.SUBMIT: Shape(), Kind.CANCEL: Shape(_RID), Kind.DRAIN: Shape({"instance": S}, {"proof": S}),
+        Kind.ADMIT: Shape(optional={"admit": S, "proof": S}), Kind.STATUS: Shape(),
     },
     Link.COORDINATOR_TO_CLIENT: {
         Kind.ACCEPTED: Shape(_RID, {"instances": D, "attempt": I}),
         Kind.TOKEN: Shape(_RID, {"token": I, "index": I, "logprobs": L + NONE}),
         Kind.DONE: Shape(_RID, {"tokens": L}), Kind.ERROR: Shape({"problem": S}, {"status": I}),
         Kind.DRAINING: Shape({"instance": S}), Kind.ADMITTED: Shape({"admit": S}), Kind.STATUS: Shape({"models": L}),
+        Kind.CHALLENGE: Shape({"nonce": S}),
     },
     Link.SCHEDULER_TO_COORDINATOR: {
         Kind.REGISTER: Shape({**_INSTANCE, "model": S, "phase": S, "tokens_per_s": N},
