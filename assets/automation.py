@@ -48,10 +48,10 @@ def reallocation_sensor(context: dg.SensorEvaluationContext, duckdb: CoralDuckDB
 
     try:
         key, decision = evaluate(duckdb.store(), SENSOR_SCENARIO, savings_threshold=solver.replan_savings_threshold,
-                                 time_limit_s=min(solver.time_limit_s, 20.0))
+                                 time_limit_s=min(solver.time_limit_s, 20.0), evaluated_key=context.cursor)
     except CoralError as exc:
         return dg.SkipReason(f"cannot evaluate yet: {exc}")
-    if key == context.cursor:
+    if decision is None:
         return dg.SkipReason(f"inputs {key} already evaluated")
     context.update_cursor(key)
     if not decision.replan:

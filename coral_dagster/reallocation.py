@@ -52,11 +52,14 @@ def decide_replan(current: PlanState | None, demand_tokens_per_s: dict[tuple[str
 
 
 def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time_limit_s: float = 10.0,
-             estimate_savings: bool = True, max_nodes: int | None = ESTIMATE_MAX_NODES) -> tuple[str, ReplanDecision]:
-    """(inputs key, decision) for the newest stored snapshot and demand against the newest Coral plan; the savings
-    estimate is a plan within `max_nodes` nodes per MIP (work) under the safety net `time_limit_s`.
+             estimate_savings: bool = True, max_nodes: int | None = ESTIMATE_MAX_NODES,
+             evaluated_key: str | None = None) -> tuple[str, ReplanDecision | None]:
+    """(inputs key, decision) for the newest stored snapshot and demand against the newest Coral plan.
 
-    The key names the snapshot and demand the decision saw, so a caller can act once per new input."""
+    The key names the snapshot and demand the decision saw, so a caller can act once per new input: when it equals
+    `evaluated_key` the decision is None and nothing else is computed. The savings estimate (a plan within
+    `max_nodes` nodes per MIP, under the safety net `time_limit_s`) is made only when nothing else already asks for
+    a re-plan: unmet demand or a shrunken pool decide at once, without a scarcity solve."""
     from coral_dagster.allocation.demand import demand_tokens
     from coral_dagster.allocation.inputs import capacity_factors, scenario_problem, scenario_traces
     from coral_dagster.allocation.methods import make_plan
@@ -71,6 +74,8 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     snap = latest_snapshot(store, scenario)
     demand_id, rates = latest_demand(store, scenario)
     key = f"{snap.snapshot_id}|{demand_id}"
+    if key == evaluated_key:
+        return key, None
     demand = demand_tokens(rates, scenario_traces(scenario), capacity_factors(scenario, rates))
     available = {(o.region, str(o.node)): o.available_nodes for o in snap.offers}
     plan = find_plan(store, scenario)
@@ -79,13 +84,13 @@ def evaluate(store, scenario_name: str, *, savings_threshold: float = 0.05, time
     cost_now = sum(i.count * sum(k * snap.price(i.region, n) for n, k in i.template.nodes.counts)
                    for i in plan.instances if all(snap.offer(i.region, n) for n, _ in i.template.nodes.counts))
     state = PlanState(plan.plan_id, dict(plan.served_tokens_per_s), plan.nodes_used(), cost_now)
-    candidate = churn = None
-    if estimate_savings:
-        problem = scenario_problem(scenario, load_library(store, scenario), snap, rates=rates, running=plan.counts())
-        try:
-            best = make_plan(problem, "coral", time_limit_s=time_limit_s, max_nodes=max_nodes)
-            candidate, churn = best.cost_usd_per_hour, best.churn_usd_per_hour
-        except CoralError as exc:  # an infeasible or timed-out candidate is itself a reason to re-plan
-            return key, ReplanDecision(True, (f"candidate plan failed: {exc}",))
-    return key, decide_replan(state, demand, available, candidate_cost_usd_per_hour=candidate,
-                              churn_usd_per_hour=churn or 0.0, savings_threshold=savings_threshold)
+    decision = decide_replan(state, demand, available, savings_threshold=savings_threshold)
+    if decision.replan or not estimate_savings:
+        return key, decision
+    problem = scenario_problem(scenario, load_library(store, scenario), snap, rates=rates, running=plan.counts())
+    try:
+        best = make_plan(problem, "coral", time_limit_s=time_limit_s, max_nodes=max_nodes)
+    except CoralError as exc:  # an infeasible or timed-out candidate is itself a reason to re-plan
+        return key, ReplanDecision(True, (f"candidate plan failed: {exc}",))
+    return key, decide_replan(state, demand, available, candidate_cost_usd_per_hour=best.cost_usd_per_hour,
+                              churn_usd_per_hour=best.churn_usd_per_hour, savings_threshold=savings_threshold)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dagster as dg
+import pytest
 
 from assets.automation import reallocation_sensor
 from coral_dagster.catalog.scenarios import load_scenario, scenario_names
@@ -147,3 +148,40 @@ def test_dg_loads_the_same_code_location_the_package_defines():
                                                    if not j.name.startswith("__")}
     assert {s["name"] for s in listed["sensors"]} == {s.name for s in repo.sensor_defs}
     assert {s["name"] for s in listed["schedules"]} == {s.name for s in repo.schedule_defs}
+
+
+def test_sensor_estimates_savings_only_when_nothing_else_asks_for_a_replan(tmp_path, monkeypatch):
+    """With the plan meeting demand the sensor prices a candidate plan (one solve); demand beyond what the plan
+    serves (read off the plan itself) requests a re-plan at once, naming the shortfall, with no solve; inputs already
+    evaluated read nothing past the snapshot and demand ids."""
+    import assets.automation as automation
+    from coral_dagster.allocation import methods
+    from coral_dagster.app.rounds import plan_round
+    from coral_dagster.templates import library
+    from scenario_docs import build_small
+
+    path, db = build_small(tmp_path)
+    monkeypatch.setattr(automation, "SENSOR_SCENARIO", str(path))
+    store, scenario = Store(db), load_scenario(path)
+    append_snapshot(store, scenario.market())
+    store_demand(store, scenario, {m.model: m.rate_req_s for m in scenario.models}, "uniform")
+    plan = plan_round(store, scenario, "coral", time_limit_s=20).plan
+    solves = []
+    real = methods.make_plan
+    monkeypatch.setattr(methods, "make_plan", lambda *a, **k: solves.append(1) or real(*a, **k))
+
+    steady = reallocation_sensor(_context(db))
+    assert isinstance(steady, dg.SkipReason) and "plan still right" in steady.skip_message and len(solves) == 1
+
+    store_demand(store, scenario, {m.model: 3 * m.rate_req_s for m in scenario.models}, "uniform")
+    ctx = _context(db)
+    short = reallocation_sensor(ctx)
+    assert isinstance(short, dg.RunRequest) and len(solves) == 1
+    served = dict(plan.served_tokens_per_s)
+    reasons = short.tags["coral/reasons"].split("; ")
+    assert reasons and all(r.startswith(tuple(f"{m} {p}: serves {have:,.0f} of " for (m, p), have in served.items()))
+                           for r in reasons)
+
+    monkeypatch.setattr(library, "load_library", lambda *a, **k: pytest.fail("read the library again"))
+    again = reallocation_sensor(_context(db, cursor=ctx.cursor))
+    assert isinstance(again, dg.SkipReason) and "already evaluated" in again.skip_message and len(solves) == 1
