@@ -57,7 +57,8 @@ class _Request:
 class Scheduler:
     """Registers the instance with the coordinator once every stage has a live node, and drives requests.
 
-    From the coordinator: `registered`, `reregister`, `ack`, `generate {rid, tokens, max_tokens, ignore_eos}`,
+    From the coordinator: `registered`, `reregister`, `refused`, `challenge {nonce}`, `ack`,
+    `generate {rid, tokens, max_tokens, ignore_eos}`,
     `prefill {rid, tokens, handoff}`, `decode {rid, prompt_len, max_tokens, ignore_eos}` (answered with
     `kv_route`), `first_token {rid, token}` (from a vLLM prefill also `tokens`, `kv_transfer_params`),
     `cancel {rid}`, `drain`. To it: `register`, `heartbeat`, `health`, `token`, `done`, `prefilled`, `kv_route`,
