@@ -104,8 +104,7 @@ class Client:
             raise CoralError(f"the coordinator at {self.endpoint} takes `{header['kind']}` only with a proof of "
                              f"the deployment's {Env.REGISTRATION_KEY.value}.",
                              f"export the {Env.REGISTRATION_KEY.value} that `coral serve keys` printed for it")
-        argument = str(header.get("instance", header.get("admit", "")))
-        answer = credentials.proof(self.registration_key, reply["nonce"], header["kind"], argument)
+        answer = credentials.command_proof(self.registration_key, reply["nonce"], header)
         wire.send(self.sock, {**header, "tag": tag, "proof": answer}, block=True)
         return self.next_event({tag}, timeout_s)
 

@@ -289,8 +289,7 @@ class Coordinator:
             self._challenge(ident, h.get("tag"))
             return False
         del self._nonces[ident]
-        argument = str(h["instance"] if kind is Kind.DRAIN else h.get("admit", ""))
-        if credentials.verify_operator(self.registration_key, nonce, kind.value, argument, answer):
+        if credentials.verify_operator(self.registration_key, nonce, h, answer):
             return True
         log.warning("refused a %s command whose proof of %s is wrong", kind.value, Env.REGISTRATION_KEY.value)
         wire.send(self.router, {"kind": Kind.ERROR, "tag": h.get("tag"), "status": 403,

@@ -48,9 +48,15 @@ def verify(registration_key: str, nonce: str, instance: str, incarnation: str, a
     return hmac.compare_digest(expected, answer)
 
 
-def verify_operator(registration_key: str, nonce: str, kind: str, argument: str, answer: str) -> bool:
-    """Whether `answer` proves the registration key itself for command `kind` with `argument` (constant-time)."""
-    return hmac.compare_digest(proof(registration_key, nonce, kind, argument), answer)
+def command_proof(registration_key: str, nonce: str, command: Mapping[str, object]) -> str:
+    """The proof of the registration key for a `drain` or `admit` command, bound to its kind and argument."""
+    argument = command["instance"] if command["kind"] == "drain" else command.get("admit", "")
+    return proof(registration_key, nonce, str(command["kind"]), str(argument))
+
+
+def verify_operator(registration_key: str, nonce: str, command: Mapping[str, object], answer: str) -> bool:
+    """Whether `answer` proves the registration key itself for `command` (constant-time)."""
+    return hmac.compare_digest(command_proof(registration_key, nonce, command), answer)
 
 
 def from_env(var: Env, env: Mapping[str, str] | None = None) -> str:
