@@ -13,11 +13,11 @@ from coral_dagster.allocation.codec import plan_to_doc
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import dominated_ids
-from synthetic import random_problem, synthetic_template
+from support.synthetic import random_problem, synthetic_template
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import InfeasibleError
 
-from brute_force import every_plan, routed
+from support.brute_force import every_plan, routed
 
 EXACT = 1e-9
 

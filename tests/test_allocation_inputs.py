@@ -18,7 +18,7 @@ from coral_dagster.allocation.inputs import mixed_scenario, scenario_problem
 from coral_dagster.allocation.planner import build_plan, solve_plan
 from coral_dagster.allocation.storage import load_plan, store_plan
 from coral_dagster.app.plans import latest_plan
-from synthetic import random_problem, synthetic_template
+from support.synthetic import random_problem, synthetic_template
 from coral_dagster.allocation.types import PlannedInstance
 from coral_dagster.catalog import traces
 from coral_dagster.catalog.nodes import NodeMultiset

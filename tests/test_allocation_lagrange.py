@@ -14,7 +14,7 @@ from coral_dagster.allocation import ilp, lagrange
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.prune import prune_columns
 
-from synthetic import random_problem
+from support.synthetic import random_problem
 
 GPUS = ("L4", "A10G", "L40S")
 SEEDS = range(12)

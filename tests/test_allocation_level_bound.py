@@ -9,8 +9,8 @@ import pytest
 
 from coral_dagster.allocation.methods import make_plan
 
-from brute_force import every_plan, routed
-from synthetic import random_problem
+from support.brute_force import every_plan, routed
+from support.synthetic import random_problem
 
 
 def _best_level(problem) -> float:

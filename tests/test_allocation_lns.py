@@ -13,8 +13,8 @@ from coral_dagster.allocation import ilp, lns
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.prune import prune_columns
 
-from brute_force import routed
-from synthetic import random_problem
+from support.brute_force import routed
+from support.synthetic import random_problem
 
 CASES = 6
 

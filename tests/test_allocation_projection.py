@@ -8,8 +8,8 @@ import pytest
 from coral_dagster.allocation import ilp
 from coral_dagster.allocation.prune import prune_columns
 
-from brute_force import every_plan, routed
-from synthetic import random_problem
+from support.brute_force import every_plan, routed
+from support.synthetic import random_problem
 
 
 @pytest.mark.parametrize("seed,regions", [(s, r) for s in range(6) for r in (("r1", "r2"), ("r1", "r2", "r3"))])

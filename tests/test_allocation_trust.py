@@ -15,8 +15,8 @@ from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.planner import solve_plan
 from coral_dagster.allocation.problem import AllocationProblem
 
-from brute_force import every_plan, routed
-from synthetic import random_problem
+from support.brute_force import every_plan, routed
+from support.synthetic import random_problem
 
 
 def _sold(problem: AllocationProblem, templates):

@@ -9,7 +9,7 @@ import pytest
 from bench.ilp_hardness import _model, _pair_dominated, _solve
 from coral_dagster.allocation import ilp
 from coral_dagster.allocation.prune import prune_columns
-from synthetic import random_problem
+from support.synthetic import random_problem
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -8,7 +8,7 @@ import math
 import random
 
 import pytest
-from synthetic import synthetic_template
+from support.synthetic import synthetic_template
 
 from coral_dagster.allocation.methods import make_plan
 from coral_dagster.allocation.problem import AllocationProblem

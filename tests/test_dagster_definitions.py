@@ -158,7 +158,7 @@ def test_sensor_estimates_savings_only_when_nothing_else_asks_for_a_replan(tmp_p
     from coral_dagster.allocation import methods
     from coral_dagster.app.rounds import plan_round
     from coral_dagster.templates import library
-    from scenario_docs import build_small
+    from support.scenario_docs import build_small
 
     path, db = build_small(tmp_path)
     monkeypatch.setattr(automation, "SENSOR_SCENARIO", str(path))

@@ -16,7 +16,7 @@ from coral_dagster.deploy import state
 from coral_dagster.deploy.cost import deployment_cost
 from coral_dagster.deploy.reconcile import reconcile, teardown
 from coral_dagster.store import Store
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from tests.test_deploy_reconcile import GPT, PHI, QWEN, _store_on_snapshot, plan, template
 
 PRICES = load_node_prices()

@@ -16,7 +16,7 @@ from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.deploy.reconcile import reconcile
 from coral_dagster.runtime.local import free_port
 from coral_dagster.store import Store
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from tests.test_deploy_reconcile import GPT, plan
 from tests.test_runtime_serve import MAX_TOKENS, PROMPTS, reference
 

@@ -20,7 +20,7 @@ from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.deploy.spec import instance_shapes
 from coral_dagster.runtime.vllm_engine import VllmLaunch
 from coral_dagster.store import Store
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from tests.test_deploy_reconcile import PRICES, plan, template
 from tests.test_deploy_sky import _catalog, run_sky
 

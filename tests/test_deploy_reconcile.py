@@ -22,7 +22,7 @@ from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.cli import launch as launch_cli
 from coral_dagster.deploy import state
 from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult, resolve_secrets
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.deploy.tasks import role_template

@@ -32,7 +32,7 @@ from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.runtime import credentials
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 
 PRICES = load_node_prices()
 SENTINEL = {"HF_TOKEN": "hf_SENTINEL_51d0", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_9a7e",

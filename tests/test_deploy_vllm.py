@@ -15,7 +15,7 @@ from coral_dagster.deploy import state
 from coral_dagster.deploy.reconcile import reconcile, teardown
 from coral_dagster.deploy.spec import VLLM_MASTER_PORT
 from coral_dagster.store import Store
-from deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from tests.test_deploy_reconcile import PHI, plan, template
 
 PRICES = load_node_prices()

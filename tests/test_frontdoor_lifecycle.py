@@ -21,11 +21,11 @@ from coral_dagster.runtime.local import LocalDeployment, free_port, local_instan
 from coral_dagster.runtime.node import EngineNode
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
-from runtime_fakes import background
-from runtime_procs import gone, kill_all
+from support.runtime_fakes import background
+from support.runtime_procs import gone, kill_all
 
 pytest.importorskip("coral_dagster.runtime.torch_engine")
-from openai_stack import CFG, KEY, MODEL, PROMPT, TIMING, CountingEngine, Served  # noqa: E402 - needs torch
+from support.openai_stack import CFG, KEY, MODEL, PROMPT, TIMING, CountingEngine, Served  # noqa: E402 - needs torch
 
 AUTH = {"Authorization": f"Bearer {KEY}"}
 

@@ -12,7 +12,7 @@ import httpx
 
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.local import LocalDeployment, local_instances
-from runtime_procs import descendants, gone, kill_all
+from support.runtime_procs import descendants, gone, kill_all
 
 
 MODEL = "tiny-llama"

@@ -28,7 +28,7 @@ from coral_dagster.runtime.coordinator import Coordinator
 from coral_dagster.runtime.local import MAX_LOCAL_INSTANCES, LocalDeployment, free_port, local_instances
 from coral_dagster.runtime.security import CurveKeys, is_local, write_secret
 from coral_dagster.store import Store
-from runtime_fakes import background
+from support.runtime_fakes import background
 
 CORE = (paths.SCENARIOS_DIR / "core.yaml").read_text()
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import duckdb
 import pytest
 
-from runtime_procs import descendants, gone, kill_all, wait_for
+from support.runtime_procs import descendants, gone, kill_all, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

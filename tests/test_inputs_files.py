@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from scenario_docs import build_small
+from support.scenario_docs import build_small
 
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.cli.main import main

@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from scenario_docs import SMALL, build_small, with_field
+from support.scenario_docs import SMALL, build_small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog import scenarios as sc

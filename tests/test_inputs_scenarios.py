@@ -8,7 +8,7 @@ import json
 import pytest
 import yaml
 from click.testing import CliRunner
-from scenario_docs import SMALL, small, with_field
+from support.scenario_docs import SMALL, small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog.scenarios import load_scenario

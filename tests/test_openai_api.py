@@ -21,7 +21,7 @@ from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.tokenizer import ByteTokenizer, apply_chat_template
 
 pytest.importorskip("coral_dagster.runtime.torch_engine")
-from openai_stack import CFG, KEY, MODEL, PROMPT, Served  # noqa: E402 - needs torch
+from support.openai_stack import CFG, KEY, MODEL, PROMPT, Served  # noqa: E402 - needs torch
 
 
 @pytest.fixture(scope="module")
@@ -283,7 +283,7 @@ def test_a_kept_alive_connections_second_request_gets_its_own_header_timeout():
 
 
 def test_the_served_torch_engine_behaves_as_the_reference(served):
-    """The engine-parity battery (tests/openai_battery.py) on the torch engine; test_vllm_cpu runs it on vLLM."""
-    from openai_battery import assert_same, expected, observe
+    """The engine-parity battery (tests/support/openai_battery.py) on the torch engine; test_vllm_cpu runs it on vLLM."""
+    from support.openai_battery import assert_same, expected, observe
 
     assert_same(observe(f"{served.url}/v1", KEY), expected())

@@ -222,7 +222,7 @@ def test_a_plan_file_launches_with_its_admission_limits(tmp_path):
 @pytest.mark.slow
 def test_coral_plan_json_loads_as_the_plan_it_stored(tmp_path):
     """The document `coral plan --json` prints, saved as a file, is the plan the store holds (real solve)."""
-    from scenario_docs import build_small
+    from support.scenario_docs import build_small
 
     scenario, db = build_small(tmp_path)
     res = CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--json", "--db", str(db)])

@@ -10,7 +10,7 @@ import dagster as dg
 import pytest
 import yaml
 from click.testing import CliRunner
-from scenario_docs import small
+from support.scenario_docs import small
 
 import assets.automation as automation
 from coral_dagster.app.rounds import plan_round, store_demand

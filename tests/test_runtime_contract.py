@@ -22,7 +22,7 @@ from coral_dagster.runtime.node import EngineNode
 from coral_dagster.runtime.protocol import MESSAGES, Env, Kind, Link, ProtocolError, check
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.tiny import decoder_config
-from runtime_fakes import background
+from support.runtime_fakes import background
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "coral_dagster" / "runtime"

@@ -10,7 +10,7 @@ from coral_dagster.runtime.client import FINAL, Client
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, local_instances
-from runtime_fakes import decoding
+from support.runtime_fakes import decoding
 
 pytest.importorskip("torch")
 

@@ -19,7 +19,7 @@ from coral_dagster.runtime.coordinator import Coordinator
 from coral_dagster.runtime.frontdoor import FrontDoor, error_event
 from coral_dagster.runtime.local import free_port
 from coral_dagster.runtime.security import CurveKeys
-from runtime_fakes import FakeScheduler, background
+from support.runtime_fakes import FakeScheduler, background
 
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=10.0)
 KEY = "k3y"

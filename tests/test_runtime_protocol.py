@@ -18,7 +18,7 @@ from coral_dagster.runtime.coordinator import Coordinator
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.tokenizer import ByteTokenizer
-from runtime_fakes import FakeScheduler, background
+from support.runtime_fakes import FakeScheduler, background
 
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=10.0, kv_timeout_s=0.5)
 

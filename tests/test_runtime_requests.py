@@ -17,7 +17,7 @@ from coral_dagster.runtime.limits import ModelLimits
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
-from runtime_fakes import FakeScheduler, background
+from support.runtime_fakes import FakeScheduler, background
 
 torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
 

@@ -28,7 +28,7 @@ from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
 from coral_dagster.runtime.tokenizer import ByteTokenizer
-from runtime_fakes import background
+from support.runtime_fakes import background
 
 torch_engine = pytest.importorskip("coral_dagster.runtime.torch_engine")
 

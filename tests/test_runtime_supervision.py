@@ -19,7 +19,7 @@ from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.local import LocalDeployment, free_port, local_instances
 from coral_dagster.runtime.security import CurveKeys
-from runtime_procs import descendants, gone, kill_all, pgid, read_pids, start_helpers, wait_for
+from support.runtime_procs import descendants, gone, kill_all, pgid, read_pids, start_helpers, wait_for
 
 pytest.importorskip("torch")
 
@@ -102,7 +102,7 @@ def test_a_failing_role_logs_why_and_leaves_nothing_behind(tmp_path):
 SUPERVISOR = """
 import json, sys, time
 from coral_dagster.runtime.local import LocalDeployment
-from runtime_procs import start_helpers
+from support.runtime_procs import start_helpers
 if __name__ == "__main__":
     dep = LocalDeployment("tiny-llama", [], log_dir=sys.argv[1])
     dep.spawn("node", start_helpers, {"pid_file": sys.argv[1] + "/pids"}, own_children=True)
@@ -249,7 +249,7 @@ def test_a_directly_started_engine_node_is_restarted_and_dies_with_its_command(t
 SUPERVISED = """
 import sys
 from coral_dagster.runtime.groups import supervise
-from runtime_procs import start_helpers
+from support.runtime_procs import start_helpers
 if __name__ == "__main__":
     sys.exit(supervise("node", start_helpers, {"pid_file": sys.argv[1]}, restart=sys.argv[2] == "restart",
                        backoff_s=0.2))

@@ -26,7 +26,7 @@ from coral_dagster import paths
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.groups import kill_group
 from coral_dagster.runtime.local import free_port
-from runtime_procs import descendants, gone, kill_all, wait_for
+from support.runtime_procs import descendants, gone, kill_all, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -197,11 +197,11 @@ def test_a_pd_pair_of_vllm_instances_hands_the_kv_over_through_its_connector(nod
 
 
 def test_the_openai_api_behaves_the_same_through_vllm_as_through_the_torch_engine(node_env, tmp_path):
-    """The parity battery (tests/openai_battery.py, official client): chat and completions, stop strings, echo,
+    """The parity battery (tests/support/openai_battery.py, official client): chat and completions, stop strings, echo,
     n, usage chunks, logprobs (vLLM's raw log-probabilities within float32 noise of the torch engine's), seeded
     repeats and refused fields, through `coral serve local --engine vllm`, equal the reference the torch
     engine's battery is held to in the default tier."""
-    from openai_battery import assert_same, expected, observe
+    from support.openai_battery import assert_same, expected, observe
 
     port = free_port()
     proc, _ = _serve_local_vllm(node_env, tmp_path, port)

@@ -20,7 +20,7 @@ from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from coral_dagster.runtime.tiny import decoder_config
 from coral_dagster.runtime.torch_engine import TorchEngine
-from runtime_fakes import background
+from support.runtime_fakes import background
 
 MODEL = "tiny-llama"
 CFG = decoder_config(MODEL)

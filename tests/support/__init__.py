@@ -1,0 +1,1 @@
+"""Helpers the tests share: fakes, process tools, small scenarios and brute-force oracles."""
