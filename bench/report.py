@@ -1,7 +1,9 @@
-"""BENCHMARKS.md's headline, rendered from the results: every row of a `headline` list in a `bench/results/*.json`
-file written through `bench._results.write_result` (so stamped with `meta`: command, date, commit), with the
-command and date that made it. Files without `meta` are not rendered: a figure nobody can re-make does not head
-the document.
+"""BENCHMARKS.md's generated part, rendered from the results: a headline of at most ten figures, then one section
+per bench section with its plots, its rows and each command that made them, once.
+
+Rows come from the `headline` lists of `bench/results/*.json` files written through `bench._results.write_result`
+(so stamped with `meta`: command, date, commit). Files without `meta` are not rendered: a figure nobody can re-make
+does not appear. A row reaches the headline when `TOP` names its figure or its file marks it `"top": true`.
 
     python -m bench.report           # rewrite the block between the markers in BENCHMARKS.md
     python -m bench.report --check   # exit 1 when BENCHMARKS.md's block is not what the results render
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -20,7 +23,18 @@ DOCUMENT = RESULTS.parent.parent / "BENCHMARKS.md"
 START, END = "<!-- report:start -->", "<!-- report:end -->"
 #: A headline row's fields (`bench._results.write_result`), then what `meta` adds to it.
 FIELDS = ("figure", "paper", "ours", "rule", "availability", "section")
-HEADER = ("figure", "paper", "ours", "rule", "availability", "section", "command", "date", "commit")
+SECTION_COLUMNS = ("figure", "paper", "ours", "rule", "availability")
+MAX_TOP = 10
+#: The figures a reader sees first, in this order (a bench may also mark a row `"top": true`).
+TOP = (
+    "core, equal attainment: homo-ilp ÷ Coral",
+    "core, equal attainment: cauchy ÷ Coral",
+    "extended: homo-ilp ÷ Coral (capacity rule, held-out attainment beside)",
+    "extended: cauchy ÷ Coral (capacity rule, held-out attainment beside)",
+    "extended: homo ÷ Coral (fixed demand)",
+    "core default: gap to the proven bound, CPU time",
+    "extended 1:scale: gap to the proven bound, CPU time",
+)
 
 
 def _ours(row: dict) -> str:
@@ -34,7 +48,8 @@ def _ours(row: dict) -> str:
 
 
 def headline_rows(results: Path = RESULTS) -> list[dict]:
-    """The headline rows of every result file with `meta`, files in name order and rows in file order."""
+    """Every stamped row of every result file with `meta`, files in name order and rows in file order; each
+    carries its file's stem (`file`) and whether the file marks it `top`."""
     rows = []
     for path in sorted(results.glob("*.json")):
         try:
@@ -51,25 +66,105 @@ def headline_rows(results: Path = RESULTS) -> list[dict]:
                 raise ValueError(f"{path}: headline[{i}] needs at least a figure and ours, or a note saying why there "
                                  f"is no figure ({', '.join(FIELDS)})")
             rows.append({**{k: row.get(k) for k in FIELDS}, "ours": _ours(row), "command": meta["command"],
-                         "date": meta["date"], "commit": meta.get("commit")})
+                         "date": meta["date"], "commit": meta.get("commit"), "file": path.stem,
+                         "top": bool(row.get("top"))})
     return rows
 
 
+def section_title(row: dict) -> str:
+    """The section a row belongs to ("other" when its bench names none)."""
+    return str(row.get("section") or "other")
+
+
+def anchor(title: str) -> str:
+    """GitHub's anchor for a `## title` heading."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).strip().replace(" ", "-")
+
+
+def top_rows(rows: list[dict]) -> list[dict]:
+    """The headline: rows `TOP` names (in its order, the first row of each figure), then rows marked `top`."""
+    picked: list[dict] = []
+    for figure in TOP:
+        found = next((r for r in rows if r["figure"] == figure), None)
+        if found is not None:
+            picked.append(found)
+    picked += [r for r in rows if r["top"] and r not in picked]
+    if len(picked) > MAX_TOP:
+        raise ValueError(f"{len(picked)} headline figures: at most {MAX_TOP} (trim TOP or a bench's `top` rows)")
+    return picked
+
+
+def _table(rows: list[dict], columns: tuple[str, ...]) -> list[str]:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    return lines + ["| " + " | ".join(_cell(row[k]) for k in columns) + " |" for row in rows]
+
+
+def _plots(results: Path, stems: list[str]) -> list[str]:
+    """Markdown images of the PNG files that belong to the section's result files (same stem, or stem_…)."""
+    out = []
+    for png in sorted(results.glob("*.png")):
+        if any(png.stem == s or png.stem.startswith(f"{s}_") for s in stems):
+            out.append(f"![{png.stem}]({_rel(results)}/{png.name})")
+    return out
+
+
+def _rel(results: Path) -> str:
+    try:
+        return results.resolve().relative_to(DOCUMENT.parent.resolve()).as_posix()
+    except ValueError:
+        return results.as_posix()
+
+
 def render(results: Path = RESULTS) -> str:
-    """The headline block: a markdown table, one row per headline row, or a sentence when there is none."""
+    """The generated block: the headline, then every section with its plots, rows and commands."""
     rows = headline_rows(results)
     if not rows:
         return "No result file carries a headline yet (`bench._results.write_result` with `headline` rows).\n"
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_cell(row[k], code=k == "command") for k in HEADER) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
+    top = top_rows(rows)
+    out = ["## Headline", "", "| figure | paper | ours | section |", "|---|---|---|---|"]
+    out += [f"| {_cell(r['figure'])} | {_cell(r['paper'])} | {_cell(r['ours'])} | "
+            f"[{_cell(section_title(r))}](#{anchor(section_title(r))}) |" for r in top]
+    sections: dict[str, list[dict]] = {}
+    for row in rows:
+        sections.setdefault(section_title(row), []).append(row)
+    for title, members in sections.items():
+        stems = list(dict.fromkeys(r["file"] for r in members))
+        out += ["", f"## {title}", ""]
+        plots = _plots(results, stems)
+        if plots:
+            out += [*plots, ""]
+        out += _table(members, SECTION_COLUMNS)
+        out += ["", "Made by:", ""]
+        made = dict.fromkeys((r["command"], r["date"], r["commit"]) for r in members)
+        out += [f"- `{cmd}` ({date}, {commit or 'commit unknown'})" for cmd, date, commit in made]
+    shown = {r["file"] for r in rows}
+    rest = [png for png in sorted(results.glob("*.png")) if not any(
+        png.stem == s or png.stem.startswith(f"{s}_") for s in shown)]
+    if rest:
+        out += ["", "## Other plots", ""]
+        for png in rest:
+            out += [f"![{png.stem}]({_rel(results)}/{png.name})", "", f"{_made_by(results, png)}", ""]
+        out.pop()
+    return "\n".join(out) + "\n"
 
 
-def _cell(value, code: bool = False) -> str:
+def _made_by(results: Path, png: Path) -> str:
+    """The command stamped in the result file a plot belongs to (same stem, or the stem before its last `_…`)."""
+    for stem in (png.stem, png.stem.rsplit("_", 1)[0]):
+        path = results / f"{stem}.json"
+        try:
+            meta = json.loads(path.read_text()).get("meta") if path.exists() else None
+        except ValueError:
+            meta = None
+        if isinstance(meta, dict) and meta.get("command"):
+            return f"Made by `{meta['command']}` ({meta.get('date')}, {meta.get('commit') or 'commit unknown'})."
+    return f"From `{png.stem}`'s bench; its result file carries no command stamp."
+
+
+def _cell(value) -> str:
     if value is None or value == "":
         return "–"
-    text = str(value).replace("|", "\\|").replace("\n", " ")
-    return f"`{text}`" if code else text
+    return str(value).replace("|", "\\|").replace("\n", " ")
 
 
 def with_block(document: str, block: str) -> str:
@@ -91,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = with_block(current, render(args.results))
     if args.check:
         if wanted != current:
-            print(f"{args.document}'s headline is not what {args.results} renders: run `python -m bench.report`.")
+            print(f"{args.document}'s generated block is not what {args.results} renders: run `python -m bench.report`.")
             return 1
         return 0
     args.document.write_text(wanted)
-    print(f"wrote the headline of {args.document} ({len(headline_rows(args.results))} rows)")
+    print(f"wrote {args.document}'s generated block ({len(headline_rows(args.results))} rows)")
     return 0
 
 

@@ -112,8 +112,8 @@ def test_fair_share_is_max_min_and_pareto_against_brute_force(seed):
     problem = two_model(seed)
     outcomes = [routed(problem, counts) for counts, _ in every_plan(problem, sold_pairs(problem, problem.templates),
                                                                     problem.available_nodes)]
-    if any(min(o.values()) >= 1 - 1e-9 for o in outcomes):
-        pytest.skip("feasible draw")
+    # Every seed of two_model is a scarcity draw (no plan meets all demand); a change to the generator fails here.
+    assert not any(min(o.values()) >= 1 - 1e-9 for o in outcomes), f"seed {seed} is no longer a scarcity draw"
     plan = solve_plan(problem, scarcity_mode="fair", gap_rel=EXACT)
     got = routed(problem, {(i.template, i.region): i.count for i in plan.instances})
     levels = {m: float(x.rstrip("%")) / 100 for m, x in
@@ -242,10 +242,7 @@ def test_coral_starts_from_the_homogeneous_plan_so_a_cut_short_solve_is_never_de
 
     problem = random_problem(seed, n_models=2, gpus=("L4", "L40S"), counts=(1, 2), n_max=2,
                              avail_range=(2, 6), demand_range=(500.0, 3000.0))
-    try:
-        homo = plan_homo_ilp(problem, gap_rel=EXACT)
-    except InfeasibleError:
-        pytest.skip("no homogeneous plan meets demand")
+    homo = plan_homo_ilp(problem, gap_rel=EXACT)  # every seed listed has a homogeneous plan meeting demand
     best = make_plan(problem, "coral", gap_rel=EXACT).cost_usd_per_hour
     assert best <= homo.cost_usd_per_hour + 1e-6
     real = colgen.solve_min_cost

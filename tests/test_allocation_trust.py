@@ -39,12 +39,21 @@ def _tiny(seed: int, **kw) -> AllocationProblem:
                           avail_range=(1, 3), demand_range=(400.0, 2500.0), **kw)
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 3 else s for s in range(8)])
+# Seeds of `_tiny` that have a plan meeting demand, homogeneous or not (seeds 2, 5 and 10 have none; 8 and 11 take
+# a minute or more of brute force). Chosen up front so every listed seed runs; each test asserts its seed still does.
+FEASIBLE_SEEDS = (0, 1, 3, 4, 6, 7, 9)
+SLOW_SEEDS = (3,)
+
+
+def _seeds(limit: int) -> list:
+    return [pytest.param(s, marks=pytest.mark.slow) if s in SLOW_SEEDS else s for s in FEASIBLE_SEEDS[:limit]]
+
+
+@pytest.mark.parametrize("seed", _seeds(7))
 def test_coral_is_never_dearer_than_the_homo_ilp_optimum_found_by_brute_force(seed):
     problem = _tiny(seed)
     homo = _brute_optimum(homogeneous_problem(problem))
-    if homo is None:
-        pytest.skip("no homogeneous plan meets demand on this instance")
+    assert homo is not None, f"seed {seed} no longer has a homogeneous plan: pick FEASIBLE_SEEDS again"
     for nodes in (1, None):  # a starved solve and a full one
         plan = make_plan(problem, "coral", max_nodes=nodes)
         assert plan.objective_usd_per_hour <= homo[0] + 1e-6
@@ -52,14 +61,13 @@ def test_coral_is_never_dearer_than_the_homo_ilp_optimum_found_by_brute_force(se
                                                              for i in plan.instances}).values())
 
 
-@pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.slow) if s == 3 else s for s in range(6)])
+@pytest.mark.parametrize("seed", _seeds(5))
 def test_coral_is_never_dearer_than_the_running_plan_plus_churn(seed):
     """The running plan is the brute-force optimum of a slightly lower demand priced at other rates: still
     feasible, not optimal; Coral's objective (cost plus churn) never exceeds what keeping it costs."""
     base = _tiny(seed)
     found = _brute_optimum(base)
-    if found is None:
-        pytest.skip("no plan meets demand on this instance")
+    assert found is not None, f"seed {seed} no longer has a plan: pick FEASIBLE_SEEDS again"
     rng = random.Random(seed)
     running = {(t.template_id, r): n for (t, r), n in found[1].items()}
     prices = {k: v * rng.uniform(0.7, 1.4) for k, v in base.usd_per_hour.items()}

@@ -25,18 +25,43 @@ def _fixture(tmp_path):
     return tmp_path
 
 
-def test_the_headline_renders_stamped_rows_only_in_file_order_with_command_and_date(tmp_path):
+def test_the_headline_holds_top_rows_and_every_row_sits_in_its_section_with_its_command_once(tmp_path):
     results = _fixture(tmp_path)
+    write_result("d", {"headline": [{"figure": "fig d", "ours": "3×", "section": "s", "top": True}]},
+                 command="python -m bench.d", out=results / "d.json")
+    (results / "b_plot.png").write_bytes(b"png")
     first = report.render(results)
     assert report.render(results) == first  # deterministic
-    lines = first.splitlines()
-    assert lines[0] == "| " + " | ".join(report.HEADER) + " |"
-    body = lines[2:]
-    meta = json.loads((results / "a.json").read_text())["meta"]
-    date, commit = meta["date"], meta["commit"]
-    assert [line.split(" | ")[0] for line in body] == ["| fig a", "| fig b1", "| fig b2 \\| piped"]
-    assert body[0] == f"| fig a | – | 1.0 | slo | ×0.5 | – | `python -m bench.a` | {date} | {commit} |"
+    head = first.split("\n## ", 1)[0]
+    assert head.splitlines()[:2] == ["## Headline", ""]
+    assert [line.split(" | ")[0] for line in head.splitlines()[4:]] == ["| fig d"]  # only the row marked top
+    assert [line for line in first.splitlines() if line.startswith("## ")] == ["## Headline", "## other", "## s"]
+    section_s = first.split("\n## s\n", 1)[1].split("\n## ", 1)[0]
+    assert [line.split(" | ")[0] for line in section_s.splitlines() if line.startswith("| fig ")] == [
+        "| fig b1", "| fig d"]
+    assert section_s.count("`python -m bench.b`") == 1 and section_s.count("`python -m bench.d`") == 1
+    assert "b_plot.png" in section_s
+    other = first.split("\n## other\n", 1)[1].split("\n## ", 1)[0]
+    assert [line.split(" | ")[0] for line in other.splitlines() if line.startswith("| fig ")] == [
+        "| fig a", "| fig b2 \\| piped"]
     assert "unstamped" not in first
+
+
+def test_more_than_ten_headline_figures_is_an_error(tmp_path):
+    rows = [{"figure": f"f{i}", "ours": "1", "top": True} for i in range(report.MAX_TOP + 1)]
+    write_result("many", {"headline": rows}, out=tmp_path / "many.json")
+    with pytest.raises(ValueError, match="at most 10"):
+        report.render(tmp_path)
+
+
+def test_the_checked_in_headline_is_at_most_ten_rows_and_links_its_sections():
+    block = (report.DOCUMENT.read_text().split(report.START, 1)[1].split(report.END, 1)[0])
+    headline = block.split("## Headline", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in headline.splitlines() if line.startswith("| ") and not line.startswith("| figure")]
+    assert 1 <= len(rows) <= report.MAX_TOP
+    for row in rows:
+        target = row.rsplit("](#", 1)[1].split(")", 1)[0]
+        assert any(report.anchor(line[3:]) == target for line in block.splitlines() if line.startswith("## "))
 
 
 def test_the_block_is_replaced_between_its_markers_and_check_reports_staleness(tmp_path):

@@ -150,7 +150,7 @@ def test_dg_loads_the_same_code_location_the_package_defines():
     assert {s["name"] for s in listed["schedules"]} == {s.name for s in repo.schedule_defs}
 
 
-def test_sensor_estimates_savings_only_when_nothing_else_asks_for_a_replan(tmp_path, monkeypatch):
+def test_sensor_estimates_savings_only_when_nothing_else_asks_for_a_replan(tmp_path, monkeypatch, small_store):
     """With the plan meeting demand the sensor prices a candidate plan (one solve); demand beyond what the plan
     serves (read off the plan itself) requests a re-plan at once, naming the shortfall, with no solve; inputs already
     evaluated read nothing past the snapshot and demand ids."""
@@ -158,9 +158,8 @@ def test_sensor_estimates_savings_only_when_nothing_else_asks_for_a_replan(tmp_p
     from coral_dagster.allocation import methods
     from coral_dagster.app.rounds import plan_round
     from coral_dagster.templates import library
-    from support.scenario_docs import build_small
 
-    path, db = build_small(tmp_path)
+    path, db = small_store
     monkeypatch.setattr(automation, "SENSOR_SCENARIO", str(path))
     store, scenario = Store(db), load_scenario(path)
     append_snapshot(store, scenario.market())

@@ -17,7 +17,8 @@ from coral_dagster.deploy.cost import deployment_cost
 from coral_dagster.deploy.reconcile import reconcile, teardown
 from coral_dagster.store import Store
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
-from tests.test_deploy_reconcile import GPT, PHI, QWEN, _store_on_snapshot, plan, template
+from support.deploy_plans import GPT, PHI, QWEN, plan, template
+from support.deploy_plans import store_on_snapshot as _store_on_snapshot
 
 PRICES = load_node_prices()
 VLLM = template("gpt-oss-20b", "aggregated", [(10, ["L4:1"], [1.0]), (9, ["L40S:1"], [1.0]), (5, ["A10G:1"], [1.0])])

@@ -17,8 +17,8 @@ from coral_dagster.deploy.reconcile import reconcile
 from coral_dagster.runtime.local import free_port
 from coral_dagster.store import Store
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
-from tests.test_deploy_reconcile import GPT, plan
-from tests.test_runtime_serve import MAX_TOKENS, PROMPTS, reference
+from support.deploy_plans import GPT, plan
+from support.serve_reference import MAX_TOKENS, PROMPTS, reference
 
 pytest.importorskip("torch")
 

@@ -53,7 +53,7 @@ def test_a_large_deployments_clusters_and_kinds_are_named_consistently_and_uniqu
     from coral_dagster.deploy.spec import deployment_nodes
     from coral_dagster.deploy.state import read_nodes
     from coral_dagster.store import Store
-    from tests.test_deploy_reconcile import GPT, PHI, QWEN, plan
+    from support.deploy_plans import GPT, PHI, QWEN, plan
 
     prices = load_node_prices()
     big = plan((QWEN, "aws:us-east-2", 40), (PHI, "aws:us-east-2", 30), (GPT, "gcp:us-central1", 30))

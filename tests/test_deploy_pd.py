@@ -21,8 +21,9 @@ from coral_dagster.deploy.spec import instance_shapes
 from coral_dagster.runtime.vllm_engine import VllmLaunch
 from coral_dagster.store import Store
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
-from tests.test_deploy_reconcile import PRICES, plan, template
-from tests.test_deploy_sky import _catalog, run_sky
+from support.deploy_plans import PRICES, plan, template
+from support.sky_catalog import _catalog, run_sky
+from support.node_env import node_python
 
 REGION = "aws:us-east-2"
 # phi-4 has 40 layers: a pipelined prefill instance (vLLM's NIXL producers may be pipelined), a one-stage decode
@@ -152,19 +153,11 @@ def test_dry_run_kinds_and_script_load_in_skypilot_with_each_nodes_connector(tmp
             assert task["envs"]["CORAL_KV_TRANSFER_CONFIG"] == "" and "5600" not in task["ports"]
 
 
-def _node_python():
-    from tests.test_templates_engines import _node_python as find
-
-    return find()
-
-
 @pytest.mark.slow
-def test_vllm_parses_each_pd_node_into_its_kv_transfer_config(tmp_path):
+def test_vllm_parses_each_pd_node_into_its_kv_transfer_config(tmp_path, vllm_node_env):
     """vLLM 0.32's own parser and `KVTransferConfig` (CPU build's node environment) read every PD node's
     `vllm serve` line as Coral starts it: the role from the phase, the same connector and engine id on every rank."""
-    python = _node_python()
-    if python is None:
-        pytest.skip("no vLLM CPU node environment; tests/test_vllm_cpu.py builds it")
+    python = node_python(vllm_node_env)
     nodes = [n for n in plan_diff(P, "p-pd", _empty(tmp_path), PRICES, engine="vllm").nodes_to_launch()
              if n.phase in ROLE]
     lines = []

@@ -16,7 +16,7 @@ from coral_dagster.deploy.reconcile import reconcile, teardown
 from coral_dagster.deploy.spec import VLLM_MASTER_PORT
 from coral_dagster.store import Store
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
-from tests.test_deploy_reconcile import PHI, plan, template
+from support.deploy_plans import PHI, plan, template
 
 PRICES = load_node_prices()
 GPT = template("gpt-oss-20b", "aggregated", [(10, ["L4:1"], [1.0]), (9, ["L40S:1"], [1.0]), (5, ["A10G:1"], [1.0])])

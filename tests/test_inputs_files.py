@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 from click.testing import CliRunner
-from support.scenario_docs import build_small
+from support.scenario_docs import copy_small
 
 from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.cli.main import main
@@ -22,10 +22,10 @@ def _json(res) -> dict:
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
+def setup(tmp_path_factory, small_library):
     """SMALL's file, its library in a DuckDB file, and one plan as `coral plan --json` prints it."""
     folder = tmp_path_factory.mktemp("files")
-    scenario, db = build_small(folder)
+    scenario, db = copy_small(small_library, folder)
     plan = _json(CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--no-store", "--json", "--db",
                                            str(db), "--no-closed-loop"]))
     assert plan["instances"]
@@ -135,10 +135,10 @@ def test_bad_prices_file_is_a_usage_error_naming_line_and_column(tmp_path, monke
     assert "Traceback" not in res.output
 
 
-def test_readme_price_example_is_a_valid_price_file(tmp_path, monkeypatch):
+def test_documented_price_example_is_a_valid_price_file(tmp_path, monkeypatch):
     from coral_dagster import paths
 
-    text = (paths.REPO_ROOT / "README.md").read_text().split("```csv\n", 1)[1].split("```", 1)[0]
+    text = (paths.REPO_ROOT / "docs" / "scenarios.md").read_text().split("```csv\n", 1)[1].split("```", 1)[0]
     path = tmp_path / "readme.csv"
     path.write_text(text)
     monkeypatch.setenv("CORAL_PRICES", str(path))

@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from support.scenario_docs import SMALL, build_small, with_field
+from support.scenario_docs import SMALL, copy_small, with_field
 
 from coral_dagster import paths
 from coral_dagster.catalog import scenarios as sc
@@ -107,10 +107,10 @@ def test_any_file_text_is_a_clear_error_or_a_valid_scenario(tmp_path, text):
 
 
 @pytest.fixture(scope="module")
-def small_db(tmp_path_factory):
+def small_db(tmp_path_factory, small_library):
     """SMALL's template library built once into a DuckDB file of its own."""
     folder = tmp_path_factory.mktemp("props")
-    return folder, build_small(folder)[1]
+    return folder, copy_small(small_library, folder)[1]
 
 
 FLOAT_TEXT = st.one_of(st.floats(0.0, 3.0).map(repr), st.floats(0.0, 3.0).map(repr),

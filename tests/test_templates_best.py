@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import math
-from dataclasses import dataclass
 
 import pytest
 
@@ -23,6 +21,7 @@ from coral_dagster.templates.throughput import (
     perf_for_prompt,
     send_gbps,
 )
+from support.perf_points import Pt
 
 
 @pytest.mark.parametrize("model, phase, nodes", [
@@ -106,14 +105,6 @@ def test_multi_stage_template_charges_activation_transfer():
     without = perf.t_hat(m, node, "prefill", 47, budget, w.prompt_tokens, None, resident_batches=2)
     assert (planned.batch, planned.stage_ms) == (with_send.batch, pytest.approx(with_send.stage_ms))
     assert 0 < t.tokens_per_s < with_send.tokens_per_s < without.tokens_per_s
-
-
-@dataclass(frozen=True)
-class Pt:
-    tokens_per_s: float
-    batch: int
-    stage_ms: float
-    bound: str
 
 
 class LinearPerf:

