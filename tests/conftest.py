@@ -1,13 +1,47 @@
 """Fixtures the test files share, built once per test session: the small scenario's library in a DuckDB file and
-the vLLM CPU node environment."""
+the vLLM CPU node environment (built in the background while the other tests run; the tests that need it run last)."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from support.scenario_docs import build_small, copy_small
+
+NODE_ENV_FIXTURES = {"vllm_node_env", "node_env"}
+BUILD = pytest.StashKey[subprocess.Popen]()
+
+
+def _needs_node_env(item: pytest.Item) -> bool:
+    return bool(NODE_ENV_FIXTURES & set(getattr(item, "fixturenames", ())))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that need the vLLM node environment run last, in their collected order."""
+    items.sort(key=_needs_node_env)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start building the node environment as soon as a selected test needs it."""
+    from support.node_env import start_background_build
+
+    if not session.config.option.collectonly and any(_needs_node_env(item) for item in session.items):
+        proc = start_background_build()
+        if proc is not None:
+            session.config.stash[BUILD] = proc
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A build still running when the session ends (interrupted, or its tests deselected by -x) is stopped."""
+    proc = session.config.stash.get(BUILD, None)
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 @pytest.fixture(scope="session")
@@ -24,11 +58,16 @@ def small_store(small_library, tmp_path) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
-def vllm_node_env() -> dict[str, str]:
+def vllm_node_env(request) -> dict[str, str]:
     """The vLLM CPU node environment built by sky_tasks/setup_node.sh (cached per machine: ~14 min the first time
     on 2 cores, then reused); only slow tests take it."""
     from support.node_env import build_node_env
 
+    proc = request.config.stash.get(BUILD, None)
+    if proc is not None:
+        _, err = proc.communicate()
+        if proc.returncode:
+            pytest.fail(f"building the node environment failed ({proc.returncode}):\n{err[-4000:]}")
     try:
         return build_node_env()
     except RuntimeError as exc:

