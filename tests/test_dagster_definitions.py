@@ -142,7 +142,8 @@ def test_dg_loads_the_same_code_location_the_package_defines():
     listed = json.loads(subprocess.run([str(dg_cli), "list", "defs", "--json"], cwd=root, capture_output=True,
                                        text=True, timeout=600, check=True).stdout)
     repo = defs.get_repository_def()
-    assert {a["asset_key"] for a in listed["assets"]} == {k.to_user_string() for k in repo.asset_graph.get_all_asset_keys()}
+    keys = repo.asset_graph.get_all_asset_keys()
+    assert {a["asset_key"] for a in listed["assets"]} == {k.to_user_string() for k in keys}
     assert {c["name"] for c in listed["asset_checks"]} == {k.name for k in repo.asset_graph.asset_check_keys}
     assert {j["name"] for j in listed["jobs"]} == {j.name for j in repo.get_all_jobs()
                                                    if not j.name.startswith("__")}

@@ -1,4 +1,5 @@
-"""Plan history in SQL: the documented views agree with the plans computed by hand, and the documented queries (docs/plan-history.md) run."""
+"""Plan history in SQL: the documented views agree with the plans computed by hand, and the documented queries
+(docs/plan-history.md) run."""
 
 from __future__ import annotations
 

@@ -147,13 +147,14 @@ def test_each_coral_run_is_one_named_run_tagged_with_its_scenario_whose_assets_s
 
 @pytest.mark.slow
 def test_documented_sql_returns_rows_on_the_store_coral_run_wrote_and_after_plan_and_simulate(two_runs):
-    """Every SQL example of docs/plan-history.md (read from it) returns rows on the store `coral run` wrote; after `coral plan`
-    and `coral simulate` of that new plan, "expected vs got" returns its models, with what they got."""
+    """Every SQL example of docs/plan-history.md (read from it) returns rows on the store `coral run` wrote; after
+    `coral plan` and `coral simulate` of that new plan, "expected vs got" returns its models, with what they got."""
     import re
     from pathlib import Path
 
     tmp, store, runs = two_runs
-    queries = re.findall(r"```sql\n(.*?)```", (Path(__file__).resolve().parent.parent / "docs" / "plan-history.md").read_text(), re.S)
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "plan-history.md").read_text()
+    queries = re.findall(r"```sql\n(.*?)```", doc, re.S)
     expected_vs_got = [q for q in queries if "plan_expectations" in q]
     assert len(queries) >= 4 and len(expected_vs_got) == 1
     (_, first_id, _), (_, second_id, _) = runs

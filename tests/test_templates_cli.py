@@ -18,7 +18,8 @@ def run(*args: str):
 
 
 def test_best_json_explain_lets_anyone_recheck_the_optimum():
-    r = run("best", "--model", "gpt-oss-20b", "--phase", "decode", "--nodes", "1xL40S:1,1xA10G:1", "--explain", "--json")
+    r = run("best", "--model", "gpt-oss-20b", "--phase", "decode", "--nodes", "1xL40S:1,1xA10G:1", "--explain",
+            "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.output)
     assert out["vllm_env"]["VLLM_PP_LAYER_PARTITION"] == out["pp_partition"]

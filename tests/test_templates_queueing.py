@@ -188,7 +188,10 @@ def test_handoff_utilisation_is_zero_when_short_requests_miss_at_an_idle_nic():
 def test_kv_sequences_with_equal_contexts_is_the_poisson_quantile():
     """All contexts 1,000 tokens, a 25,600-token cache: 25 fit, so n* is the mean whose Poisson CDF at 25 is 0.95."""
     n_star = kv_sequences(np.full(10, 1000.0), np.ones(10), 25600.0, 0.95)
-    cdf = lambda n: sum(math.exp(-n) * n ** k / math.factorial(k) for k in range(26))
+
+    def cdf(n: float) -> float:
+        return sum(math.exp(-n) * n ** k / math.factorial(k) for k in range(26))
+
     lo, hi = 0.0, 25.0
     for _ in range(60):
         mid = (lo + hi) / 2

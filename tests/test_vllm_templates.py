@@ -28,7 +28,8 @@ def _template(stages: list[list[NodeConfig]], phase: str = "aggregated") -> Temp
 def _vllm_can_lay_out(t: Template) -> bool:
     """Brute force over vLLM's layout: `nnodes` nodes in template order, `tp * pp` ranks, rank r on node
     r // ranks_per_node and in stage r // tp; the template runs when some tp puts every stage on one node and
-    uses exactly each node's GPUs (tensor parallelism across nodes is not the load split a stage's nodes do). Only aggregated instances run (no KV connector between vLLM instances)."""
+    uses exactly each node's GPUs (tensor parallelism across nodes is not the load split a stage's nodes do). Only
+    aggregated instances run (no KV connector between vLLM instances)."""
     if t.phase != "aggregated":
         return False
     nodes = [n for s in t.stages for n in s.nodes]
