@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     wanted = with_block(current, render(args.results))
     if args.check:
         if wanted != current:
-            print(f"{args.document}'s generated block is not what {args.results} renders: run `python -m bench.report`.")
+            print(f"{args.document}'s generated block is not what {args.results} renders: "
+                  "run `python -m bench.report`.")
             return 1
         return 0
     args.document.write_text(wanted)
