@@ -8,6 +8,8 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from coral_dagster.files import make_dir, write_file
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -29,11 +31,12 @@ def _module() -> str:
 
 
 def write_result(name: str, doc: dict, command: str | None = None, out: Path | None = None) -> Path:
-    """Write `doc` with its provenance under `meta` to bench/results/<name>.json (or `out`); the path written.
+    """Write `doc` with its provenance under `meta` to bench/results/<name>.json (or `out`; mode 0644, no symbolic
+    link followed, as `coral_dagster.files` writes); the path written.
 
     A doc may carry `headline`: rows of {figure, paper, ours, rule, availability, section} that `bench.report`
     renders into BENCHMARKS.md's headline table."""
     path = out or RESULTS / f"{name}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"meta": provenance(command), **doc}, indent=2, default=str) + "\n")
-    return path
+    make_dir(path.parent, "pass another --out path")
+    return write_file(path, json.dumps({"meta": provenance(command), **doc}, indent=2, default=str) + "\n",
+                      fix="pass another --out path")

@@ -21,6 +21,7 @@ import urllib.request
 from pathlib import Path
 
 from bench._results import RESULTS as RESULTS_DIR, write_result
+from coral_dagster.vocab import DEMAND_PHASES
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -223,7 +224,7 @@ def per_layer() -> dict:
     return {"model": MODEL, "node": "H200:1", "prefill_tokens": PREFILL_TOKENS, "decode_batch": DECODE_BATCH,
             "context": CONTEXT, "fused_chunk": FUSED_CHUNK, "fused_prompt": FUSED_PROMPT,
             "measured_ms_per_layer": measured,
-            "coral_profile_ms_per_layer": {ph: _coral_latency(ph) for ph in ("prefill", "decode")},
+            "coral_profile_ms_per_layer": {ph: _coral_latency(ph) for ph in DEMAND_PHASES},
             "fused_model_ms_per_layer": model.get("fused_ms_per_layer"),
             "unfused_model_ms_per_layer": model.get("unfused_ms_per_layer"), "fused_model_error": model.get("error")}
 
@@ -284,7 +285,7 @@ def main() -> None:
           f"chat: {doc['serve']['chat_identical']}, seeded repeats: {doc['serve']['seeded_repeats']}")
     print(f"{'2-rank pipeline 5,7':<40}layers {doc['pipeline']['layers_per_rank']}, "
           f"tokens identical: {doc['pipeline']['tokens_identical']}")
-    for ph in ("prefill", "decode"):
+    for ph in DEMAND_PHASES:
         print(f"{ph + ' ms/layer (vLLM | coral)':<40}{pl['measured_ms_per_layer'][ph]:.3f} | "
               f"{pl['coral_profile_ms_per_layer'][ph]}")
     print(f"{'fused step ms/layer (vLLM | model | sum)':<40}{pl['measured_ms_per_layer']['fused']:.3f} | "

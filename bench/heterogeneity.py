@@ -88,6 +88,8 @@ def method_result(scn, method, templates, market, args, seeds, burst_aware: bool
                                   scarcity="scale", time_limit_s=args.time_limit_s)
             out["served_share"] = min(fluid_goodput(reach).per_model.values())
             out["reach_usd_per_hour"] = reach.cost_usd_per_hour
+            out["reach_mixed_share"] = (sum(i.count for i in reach.instances if mixed(i))
+                                        / max(1, sum(i.count for i in reach.instances)))
         except CoralError as again:
             out["reach_error"] = str(again)[:160]
         out["wall_s"] = time.perf_counter() - t0

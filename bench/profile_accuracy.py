@@ -24,6 +24,7 @@ from coral_dagster.catalog.models import model_catalog
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.profiles import default_perf_model
 from coral_dagster.profiles.accuracy import holdout_errors, in_sample_errors, summarise
+from coral_dagster.vocab import DEMAND_PHASES
 
 OUT = Path(__file__).resolve().parent / "results" / "profile_accuracy.json"
 TARGET_MEDIAN_APE = 0.15
@@ -48,7 +49,7 @@ def t_hat_speed(calls: int = 20000) -> dict:
     perf = default_perf_model()
     sc = load_scenario("extended")
     rng = random.Random(0)
-    queries = [(m.model, rng.choice(sc.node_configs), rng.choice(("prefill", "decode")), rng.randint(1, 40),
+    queries = [(m.model, rng.choice(sc.node_configs), rng.choice(DEMAND_PHASES), rng.randint(1, 40),
                 rng.choice((25.0, 50.0, 100.0, 400.0, 900.0)), 1300) for m in sc.models for _ in range(calls // 6)]
     for q in queries[:200]:
         perf.curve(q[0], q[1], q[2], perf.prefill_seq_tokens if q[2] == "prefill" else q[5])

@@ -29,6 +29,7 @@ from coral_dagster.simulator.latency import ProfileLatencyModel
 from coral_dagster.simulator.reach import template_reach
 from coral_dagster.store import Store
 from coral_dagster.templates.library import load_library
+from coral_dagster.vocab import PHASES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "template_reach.json"
 TARGET_ATTAINMENT, TARGET_SHARE = 0.95, 0.95
@@ -39,7 +40,7 @@ def stratum(t) -> tuple[str, str, str]:
     return t.phase, "multi-stage" if len(t.stages) > 1 else "one stage", "mixed" if mixed else "one GPU type"
 
 
-def sample(templates, per_stratum: int, seed: int, phases=("prefill", "decode", "aggregated")) -> list:
+def sample(templates, per_stratum: int, seed: int, phases=PHASES) -> list:
     """Up to `per_stratum` templates of every stratum of `phases`, drawn with `seed` from the library in
     template-id order."""
     groups = defaultdict(list)

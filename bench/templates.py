@@ -27,6 +27,7 @@ from coral_dagster.templates.best import optimize
 from coral_dagster.templates.library import build_library_with_stats, check_library, enumerate_multisets, store_library
 from coral_dagster.templates.optimize import best_placement_ilp
 from coral_dagster.templates.throughput import build_tables, workload_for
+from coral_dagster.vocab import DEMAND_PHASES, PHASES
 
 RESULTS = Path(__file__).resolve().parent / "results" / "templates.json"
 console = Console(width=160)
@@ -40,7 +41,7 @@ def build(name: str, processes: int) -> tuple[list, dict]:
     scn = load_scenario(name)
     start = time.perf_counter()
     tables = {(m.model, p): build_tables(workload_for(m, p, scn.link_gbps), scn.node_configs, scn.n_max)
-              for m in scn.models for p in ("prefill", "decode", "aggregated")}
+              for m in scn.models for p in PHASES}
     problems = check_library(templates, tables)
     verify_s = time.perf_counter() - start
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,9 +63,9 @@ def ilp_cases(per_key: int, time_limit_s: float, seed: int = 0) -> dict:
     """The fast method and the paper's ILP on the same multisets (random ones of 2-4 nodes per model and phase)."""
     rng = random.Random(seed)
     picks = [("core", m.model, p, size) for m in load_scenario("core").models
-             for p in ("prefill", "decode", "aggregated") for size in (2, 3, 4)]
+             for p in PHASES for size in (2, 3, 4)]
     picks += [("extended", a, p, size) for a in ("llama-3.1-70b", "qwen3-235b-a22b")
-              for p in ("prefill", "decode") for size in (2, 3)]
+              for p in DEMAND_PHASES for size in (2, 3)]
     rows = []
     for scenario, model, phase, size in picks:
         scn = load_scenario(scenario)

@@ -91,20 +91,24 @@ class PipelineRun:
 
 def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment_target: float = 0.95,
                          rate_scale: float = 1.0,
-                         closed_loop: bool = True, on_step=None, log_level: str = "WARNING") -> PipelineRun:
+                         closed_loop: bool = True, on_step=None, log_level: str = "WARNING",
+                         db_path: str | None = None) -> PipelineRun:
     """Run the `coral_pipeline` job for one scenario, in process: one run, tagged with the scenario, recorded in the
     instance at `dagster_home()`, its template library over the scenario's partitions. A failed blocking check
     stops what depends on it; an asset that raises `CoralError` stops the run with that error. `on_step(text)` is
-    told the run as it starts; Dagster's console log shows `log_level` and above."""
+    told the run as it starts; Dagster's console log shows `log_level` and above. `db_path`: the DuckDB file
+    (default: `$CORAL_DB`, else the bundled file)."""
     from assets.templates import scenario_partitions
 
     partitions = scenario_partitions(scenario)
     home = dagster_home()
     if not (home / "dagster.yaml").exists():  # an instance of our own making: say so, without telemetry
+        from coral_dagster.files import write_file
+
         home.mkdir(parents=True, exist_ok=True)
-        (home / "dagster.yaml").write_text(INSTANCE_YAML)
-    # $CORAL_DB as of now, and the scenario asked for.
-    resources = {**(defs.resources or {}), "duckdb": CoralDuckDB(database=str(default_db_path())),
+        write_file(home / "dagster.yaml", INSTANCE_YAML, fix="point DAGSTER_HOME at a folder you can write")
+    # The DuckDB file asked for ($CORAL_DB as of now by default), and the scenario asked for.
+    resources = {**(defs.resources or {}), "duckdb": CoralDuckDB(database=str(db_path or default_db_path())),
                  "scenario": CoralScenario(name=scenario)}
     job = dg.Definitions(assets=defs.assets, asset_checks=defs.asset_checks, jobs=[pipeline_job],
                          resources=resources).resolve_job_def(pipeline_job.name)

@@ -142,10 +142,12 @@ class Admission:
     holding `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s` seconds of the
     rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at most at the request
     rate the plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it
-    within its SLO (`capacity.peak_bucket`). Buckets
-    start full; a request that finds a bucket empty is shed at once (the front door answers 429 with Retry-After),
-    so the admitted ones keep their SLO. A model at rate 0 (the plan serves none of it) is always shed; models
-    without a rate are always admitted."""
+    within its SLO (`capacity.peak_bucket`). Buckets start full, except that the first starts holding no more than
+    the second: the first is credit a model saves while it sends below its rate, and started full a deep one lets a
+    model past its share for as long as its depth lasts (a third over it in the first ten minutes). A request that
+    finds a bucket empty is shed at once (the front door answers 429 with Retry-After), so the admitted ones keep
+    their SLO. A model at rate 0 (the plan serves none of it) is always shed; models without a rate are always
+    admitted."""
 
     def __init__(self, rates_req_s: Mapping[str, float], depths_req: Mapping[str, float] | None = None,
                  peaks: Mapping[str, Sequence[float]] | None = None, burst_s: float = 10.0) -> None:
@@ -155,7 +157,8 @@ class Admission:
         peaks = peaks or {}
         self._buckets = {m: [(r, self.depths[m])] + ([(float(peaks[m][0]), max(1.0, float(peaks[m][1])))]
                                                       if m in peaks else []) for m, r in self.rates.items()}
-        self._tokens = {m: [d for _, d in b] for m, b in self._buckets.items()}
+        # The first bucket is credit saved in lulls; a model starts with none beyond the burst the second admits.
+        self._tokens = {m: [min(d for _, d in b)] + [d for _, d in b[1:]] for m, b in self._buckets.items()}
         self._last: dict[str, float] = {}
 
     def _refill(self, model: str, now_s: float) -> list[float]:

@@ -9,25 +9,15 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from coral_dagster.allocation.types import AdmissionLimits, Plan, PlannedInstance
+from coral_dagster.allocation.types import Plan
 from coral_dagster.app.closed_loop import closed_loop
-from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
+from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
+from support.admission_plans import aggregated_plan
 from coral_dagster.routing import Admission
-from coral_dagster.templates.types import Stage, Template
 
 L40S = NodeConfig.parse("L40S:1")
-
-
-def _aggregated_plan(admit: dict[str, float], depth: dict[str, float] | None = None, served: float = 0.0,
-                     factors: dict[tuple[str, str], float] | None = None) -> Plan:
-    t = Template("phi-4", "aggregated", 60.0, NodeMultiset.of([L40S]), (Stage(0, 40, (L40S,), (1.0,)),), 1e6,
-                 "compute")
-    return Plan("test", "coral", "scaled", 1.0, 1.0, 0.0, 0.0, (PlannedInstance(t, "aws:us-east-2", 1, 1.0),),
-                {("phi-4", "prefill"): 1.0, ("phi-4", "decode"): 1.0},
-                {("phi-4", "prefill"): served, ("phi-4", "decode"): served} if served else {},
-                admission=AdmissionLimits(factors or {}, admit, depth or {}))
 
 
 def _simulate(plan: Plan, arrivals: np.ndarray):
@@ -47,7 +37,7 @@ def test_overload_is_shed_down_to_exactly_the_planned_rate(seed, depth):
     times the span plus its depth (the plan's, else 10 s of the rate), to one request."""
     rate = 5.0
     arrivals = np.sort(np.random.default_rng(seed).uniform(0, 200, 3000))
-    status = _simulate(_aggregated_plan({"phi-4": rate}, {"phi-4": depth} if depth else None), arrivals)
+    status = _simulate(aggregated_plan({"phi-4": rate}, {"phi-4": depth} if depth else None), arrivals)
     shed = int((status == "shed").sum())
     admitted = len(status) - shed
     assert admitted + shed == len(arrivals) and shed > 0
@@ -72,18 +62,20 @@ def _largest_backlog(arrivals: np.ndarray, rate: float) -> float:
 @pytest.mark.parametrize("share", [0.5, 0.76])
 def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_shed(share):
     """A plan serving `share` of phi-4's 10 req/s on the Azure conversation trace (capacity factors 4 and 6): the
-    trace as the simulator replays it (three starting rows, one loop each), thinned to the share, is never shed, and
-    each bucket's depth is within rounding of that stream's largest backlog over two loops (every stretch of the
-    looped trace) against its rate; a stream at 2× the admitted rate for 3,000 s is shed down to the rate (the
-    bucket's closed form: depth + rate × span, to one request); a burst far above the request rate the plan's
-    capacity carries (4× the admitted rate) is cut to it (peak depth + peak rate × span)."""
+    trace as the simulator replays it (three starting rows, one loop each), thinned to the share and sent once the
+    first bucket has filled (a coordinator starts it holding the second's depth: it is credit saved below the rate),
+    is never shed, and each bucket's depth is within rounding of that stream's largest backlog over two loops
+    (every stretch of the looped trace) against its rate; a stream at 2× the admitted rate for 3,000 s is shed
+    down to the rate (the bucket's closed form: what it starts with + rate × span, to one request); a burst far
+    above the request rate the plan's capacity carries (4× the admitted rate) is cut to the least of the buckets'
+    start + rate × span."""
     from coral_dagster.allocation.capacity import trace_period_s
     from coral_dagster.allocation.planner import with_admission
     from coral_dagster.simulator.workload import ModelLoad, make_workload
 
     factors = {("phi-4", "prefill"): 4.0, ("phi-4", "decode"): 6.0}
     phi4 = next(m for m in load_scenario("core").models if m.model == "phi-4")
-    plan = with_admission(_aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0}, [phi4])
+    plan = with_admission(aggregated_plan({}, served=share, factors=factors), {"phi-4": 10.0}, [phi4])
     rate, depth = plan.admission.admit_req_s["phi-4"], plan.admission.admit_depth_req["phi-4"]
     peak_rate, peak_depth = plan.admission.admit_peak["phi-4"]
     assert rate == pytest.approx(10.0 * share) and peak_rate == pytest.approx(4.0 * rate)
@@ -92,24 +84,26 @@ def test_the_share_thinned_trace_is_admitted_in_full_and_sustained_overload_is_s
     for seed in (0, 1, 2):
         trace = make_workload([ModelLoad("phi-4", "azure-conv", 10.0)], 2 * period_s, seed).arrival_s
         thinned = _thinned(trace, share)
-        assert not (_simulate(plan, thinned[thinned < period_s]) == "shed").any()
+        filled_s = max(0.0, depth - peak_depth + 1.0) / rate  # after one request, the time the credit takes
+        assert not (_simulate(plan, np.r_[0.0, filled_s + thinned[thinned < period_s]]) == "shed").any()
         worst = max(worst, _largest_backlog(thinned, rate))
         worst_peak = max(worst_peak, _largest_backlog(thinned, peak_rate))
     assert worst <= depth <= worst + 3.0 and worst_peak <= peak_depth <= worst_peak + 3.0
     overload = np.sort(np.random.default_rng(5).uniform(0, 3000.0, int(2 * rate * 3000.0)))
     status = _simulate(plan, overload)
     admitted = int((status != "shed").sum())
-    assert admitted == pytest.approx(depth + rate * overload[-1], abs=1.0)
+    assert admitted == pytest.approx(min(depth, peak_depth) + rate * overload[-1], abs=1.0)
     assert admitted / overload[-1] == pytest.approx(rate, rel=depth / (rate * overload[-1]) + 0.01)
     burst = np.linspace(0.0, 10.0, 2001)
     admitted = int((_simulate(plan, burst) != "shed").sum())
-    assert admitted == pytest.approx(min(depth, peak_depth + peak_rate * 10.0), abs=1.0)
+    assert admitted == pytest.approx(min(min(depth, peak_depth) + rate * 10.0, peak_depth + peak_rate * 10.0),
+                                     abs=1.0)
 
 
 def test_traffic_at_the_planned_rate_is_never_shed():
     arrivals = np.arange(1000) / 5.0  # exactly 5 req/s
-    assert not (_simulate(_aggregated_plan({"phi-4": 5.0}), arrivals) == "shed").any()
-    assert not (_simulate(_aggregated_plan({}), arrivals * 0.01) == "shed").any()
+    assert not (_simulate(aggregated_plan({"phi-4": 5.0}), arrivals) == "shed").any()
+    assert not (_simulate(aggregated_plan({}), arrivals * 0.01) == "shed").any()
 
 
 def test_coordinator_sheds_the_same_requests_with_429():
@@ -121,7 +115,7 @@ def test_coordinator_sheds_the_same_requests_with_429():
     from coral_dagster.runtime.coordinator import Coordinator
 
     arrivals = np.sort(np.random.default_rng(4).uniform(0, 60, 900))
-    made = _aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0})
+    made = aggregated_plan({"phi-4": 5.0}, {"phi-4": 40.0})
     plan = replace(made, admission=replace(made.admission, admit_peak={"phi-4": (12.0, 4.0)}))
     simulated = _simulate(plan, arrivals) == "shed"
     ctx = zmq.Context()
@@ -155,14 +149,14 @@ def test_the_plan_admission_is_stored_reaches_the_coordinator_task_and_reads_bac
 
     store = Store(str(tmp_path / "admit.duckdb"))
     admission = ({"phi-4": 4.7, "qwen3-32b": 1.0 / 3.0}, {"phi-4": 812.0}, {"phi-4": (18.8, 9.0)})
-    made = _aggregated_plan(admission[0], admission[1])
+    made = aggregated_plan(admission[0], admission[1])
     made = replace(made, admission=replace(made.admission, admit_peak=admission[2]))
     plan = load_plan(store, store_plan(store, made, "r", {}).plan_id)
     adm = plan.admission
     assert (adm.admit_req_s, adm.admit_depth_req, adm.admit_peak) == admission
     envs = dict(build_coordinator("p1", "r", (), plan).envs)
     assert parse_admit(envs["CORAL_ADMIT"]) == admission
-    assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), _aggregated_plan({})).envs)
+    assert "CORAL_ADMIT" not in dict(build_coordinator("p1", "r", (), aggregated_plan({})).envs)
     for bad in ("phi-4", "phi-4=x", "phi-4=1:-2", "=3", "phi-4=1:2:3"):
         with pytest.raises(CoralError, match="model=rate"):
             parse_admit(bad)
@@ -178,7 +172,7 @@ def test_bucket_retry_after_is_the_time_to_the_next_token():
 def test_a_model_the_plan_serves_none_of_is_always_shed():
     """A plan serving 0% of a model admits none of its requests (no instance could serve one), from the first."""
     arrivals = np.arange(50) / 5.0
-    assert (_simulate(_aggregated_plan({"phi-4": 0.0}), arrivals) == "shed").all()
+    assert (_simulate(aggregated_plan({"phi-4": 0.0}), arrivals) == "shed").all()
     assert Admission({"m": 0.0}).retry_after_s("m", 0.0) == 60.0
 
 
@@ -192,7 +186,7 @@ def test_closed_loop_is_bounded_and_never_worse_than_its_start(start, gain, roun
     scn = load_scenario("core")
     models = [m.model for m in scn.models][:2]
     scn = replace(scn, models=tuple(m for m in scn.models if m.model in models))
-    base = _aggregated_plan({})
+    base = aggregated_plan({})
 
     def make(boost):
         return replace(base, cost_usd_per_hour=sum(boost.get(m, 1.0) for m in models))
@@ -217,7 +211,7 @@ def test_closed_loop_keeps_its_rounds_when_a_later_round_finds_no_plan():
     """A re-plan that hits the solver limit ends the loop with the best plan so far, the reason in its notes; a
     first round that finds no plan is the caller's error."""
     scn = load_scenario("core")
-    base = _aggregated_plan({})
+    base = aggregated_plan({})
     calls = []
 
     def make(boost):

@@ -1,6 +1,5 @@
-"""Import boundaries: the package's layers import downward only; domain code is free of Dagster and SkyPilot; the GPU-node
-runtime of Dagster, PuLP, DuckDB
-and of the command line."""
+"""Import boundaries: the package's layers import downward only; domain code is free of Dagster and SkyPilot; the
+GPU-node runtime of Dagster, PuLP, DuckDB and of the command line; the command line calls the application layer only."""
 
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ def _top(name: str) -> str:
     return name.split(".")[0]
 
 
-def _files(root: Path, skip: set[str] = frozenset()) -> list[Path]:
+def _files(root: Path, skip: frozenset[str] | set[str] = frozenset()) -> list[Path]:
     return [p for p in root.rglob("*.py") if p.relative_to(root).parts[0] not in skip]
 
 
@@ -39,10 +38,11 @@ def test_domain_code_imports_neither_dagster_nor_sky():
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
-def _runtime_imports() -> dict[str, set[str]]:
-    """Every module name imported by the runtime and by each coral module it imports (transitively), per file."""
+def _reached(start: list[Path], follow) -> dict[str, set[str]]:
+    """Every module name imported by the files in `start` and, transitively, by the coral files `follow(name)` gives
+    for each coral module they import, per file."""
     seen: dict[str, set[str]] = {}
-    todo = list((PKG / "runtime").rglob("*.py"))
+    todo = list(start)
     while todo:
         path = todo.pop()
         key = str(path.relative_to(ROOT))
@@ -51,9 +51,17 @@ def _runtime_imports() -> dict[str, set[str]]:
         seen[key] = _imports(path)
         for name in seen[key]:
             if _top(name) == "coral_dagster":
-                target = ROOT.joinpath(*name.split("."))
-                todo += [p for p in (target.with_suffix(".py"), target / "__init__.py") if p.exists()]
+                todo += follow(name)
     return seen
+
+
+def _runtime_imports() -> dict[str, set[str]]:
+    """Every module name imported by the runtime and by each coral module it imports (transitively), per file."""
+    def files(name: str) -> list[Path]:
+        target = ROOT.joinpath(*name.split("."))
+        return [p for p in (target.with_suffix(".py"), target / "__init__.py") if p.exists()]
+
+    return _reached(list((PKG / "runtime").rglob("*.py")), files)
 
 
 def test_runtime_imports_neither_dagster_pulp_nor_duckdb():
@@ -76,7 +84,7 @@ def test_runtime_never_imports_the_command_line():
 #: no import cycle runs between parts. A new module or subpackage must be placed here.
 LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"vocab", "errors", "paths"},               # names and errors everything shares; import nothing of the project
-    {"layer_split", "store", "highs", "lifetimes"},  # layer splits, DuckDB access, HiGHS, processes tied to parents
+    {"layer_split", "store", "highs", "lifetimes", "files"},  # layer splits, DuckDB, HiGHS, child processes, files
     {"catalog", "routing"},                     # GPUs, models, markets, scenarios, traces; the routing policy
     {"profiles"},                               # the performance model
     {"templates"},                              # serving templates and their throughput T̂
@@ -85,6 +93,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"deploy"},                                 # SkyPilot tasks and reconciliation
     {"app"},                                    # the use cases the CLI, the assets and the benches call
     {"reallocation"},                           # the re-plan policy the sensor applies
+    {"day"},                                    # a simulated day: the re-plan loop over app, sensor and reconciler
     {"definitions"},                            # the Dagster definitions (`coral run` materializes them)
     {"cli"},                                    # the command line
     {"__main__", "__init__"},
@@ -154,3 +163,82 @@ def test_no_code_edits_the_import_path():
                         node.value.value.id == "sys" and node.attr in ("insert", "append", "extend"):
                     edits.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not edits, edits
+
+
+#: What the command line may import of the package: the application layer and the parts above it that orchestrate
+#: it (never a domain part below `app`), the shared names and errors, and its own modules.
+CLI_DOORS = {"app", "reallocation", "day", "definitions", "vocab", "errors", "cli"}
+#: What else of the package a command module may import: `coral serve` (whose module `main` imports only when it
+#: runs) runs the GPU-node runtime, which a node without the planner installed imports.
+CLI_BY_FILE = {"serve.py": {"runtime"}}
+#: Third-party packages the command line may import: click, and what prints tables and progress; `coral run` checks
+#: Dagster's instance configuration before it starts the job.
+CLI_THIRD_PARTY = {"click", "pandas", "rich", "tqdm"}
+CLI_THIRD_PARTY_BY_FILE = {"run.py": {"dagster", "yaml"}}
+
+
+def _cli_offenders(cli: Path) -> dict[str, list[str]]:
+    """Per command module, each import outside what the command line may import (`CLI_DOORS`, `CLI_LAZY`,
+    `CLI_BY_FILE`, `CLI_THIRD_PARTY`, the standard library), with its line."""
+    import sys
+
+    out: dict[str, list[str]] = {}
+    for path in sorted(cli.rglob("*.py")):
+        doors = CLI_DOORS | CLI_BY_FILE.get(path.name, set())
+        third = CLI_THIRD_PARTY | CLI_THIRD_PARTY_BY_FILE.get(path.name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names] if node.module == "coral_dagster" \
+                    else [node.module]
+            else:
+                continue
+            for name in names:
+                bits = name.split(".")
+                if bits[0] == "coral_dagster":
+                    ok = len(bits) > 1 and bits[1] in doors
+                else:
+                    ok = bits[0] in third or bits[0] in sys.stdlib_module_names or bits[0] == "__future__"
+                if not ok:
+                    out.setdefault(path.name, []).append(f"{node.lineno}: {name}")
+    return out
+
+
+def test_the_command_line_calls_the_application_layer_only():
+    """`coral_dagster/cli` is one door onto `app`: no command reaches past it into a domain part (the catalog, the
+    store, templates, allocation, the simulator, deploy), lazily or not."""
+    assert len(list((PKG / "cli").glob("*.py"))) > 8
+    assert _cli_offenders(PKG / "cli") == {}
+
+
+def test_the_command_line_check_names_each_way_past_the_door(tmp_path):
+    cli = tmp_path / "cli"
+    cli.mkdir()
+    (cli / "plan.py").write_text("import click\nfrom coral_dagster.app.make_plan import make_plan\n"
+                                 "def f():\n    from coral_dagster.allocation.codec import plan_to_doc\n"
+                                 "    from coral_dagster import store\n    import pulp\n")
+    (cli / "serve.py").write_text("from coral_dagster.runtime.protocol import Env\n")
+    (cli / "launch.py").write_text("def f():\n    from coral_dagster.runtime.roles import run_engine\n")
+    assert _cli_offenders(cli) == {"plan.py": ["4: coral_dagster.allocation.codec", "5: coral_dagster.store",
+                                               "6: pulp"],
+                                   "launch.py": ["2: coral_dagster.runtime.roles"]}
+
+
+def _module_files(name: str) -> list[Path]:
+    """The files importing `name` runs: its own and each enclosing package's `__init__.py`."""
+    bits = name.split(".")
+    files = [ROOT.joinpath(*bits[:i], "__init__.py") for i in range(1, len(bits))]
+    target = ROOT.joinpath(*bits)
+    files += [target.with_suffix(".py"), target / "__init__.py"]
+    return [p for p in files if p.exists()]
+
+
+def test_coral_serve_imports_without_the_planner():
+    """What `coral serve` imports (its module, the `coral` group, and each coral module they import, transitively,
+    lazy imports included) stays free of the planner's stack, so a GPU node with the runtime alone runs it."""
+    banned = {"dagster", "pulp", "duckdb", "sky", "highspy"}
+    seen = _reached([PKG / "cli" / "serve.py", PKG / "cli" / "main.py"], _module_files)
+    assert "coral_dagster/app/node.py" in seen and "coral_dagster/runtime/roles.py" in seen
+    offenders = {k: sorted(n for n in names if _top(n) in banned) for k, names in seen.items()}
+    assert {k: v for k, v in offenders.items() if v} == {}

@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 from coral_dagster.allocation.types import AdmissionLimits, Plan, PlannedInstance
 from coral_dagster.catalog.models import get_model
-from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-from coral_dagster.catalog.prices import load_node_prices
+from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.cli import launch as launch_cli
 from coral_dagster.deploy import state
 from coral_dagster.deploy.launcher import LaunchRequest, LaunchResult, resolve_secrets
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.deploy_plans import GPT, PHI, PRICES, QWEN, plan, store_on_snapshot, template
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
 from coral_dagster.deploy.tasks import role_template
@@ -30,36 +30,10 @@ from coral_dagster.errors import CoralError
 from coral_dagster.runtime import credentials
 from coral_dagster.runtime.config import format_admit, parse_admit
 from coral_dagster.store import Store
-from coral_dagster.templates.types import Stage, Template
 
-PRICES = load_node_prices()
 SECRETS = {"HF_TOKEN": "hf_SENTINEL_7f3a9", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_e41c",
            "CORAL_CURVE_PUBLIC_KEYS": "curvepub_SENTINEL_0b2d",
            "CORAL_REGISTRATION_KEY": "registration_SENTINEL_5c81_never_on_a_node", "CORAL_API_KEY": "api_SENTINEL_77d1"}
-
-
-def template(model: str, phase: str, stages: list[tuple[int, list[str], list[float]]]) -> Template:
-    out, start = [], 0
-    for layers, nodes, shares in stages:
-        out.append(Stage(start, start + layers, tuple(NodeConfig.parse(n) for n in nodes), tuple(shares)))
-        start += layers
-    return Template(model, phase, 1000.0, NodeMultiset.of([n for s in out for n in s.nodes]), tuple(out), 900.0,
-                    "compute")
-
-
-QWEN = template("qwen3-32b", "prefill", [(40, ["L40S:1", "L40S:1"], [0.5, 0.5]), (24, ["A10G:4"], [1.0])])
-PHI = template("phi-4", "decode", [(40, ["L4:1"], [1.0])])
-GPT = template("gpt-oss-20b", "aggregated", [(10, ["L4:1"], [1.0]), (14, ["L4:2"], [1.0])])
-
-
-def plan(*items: tuple[Template, str, int]) -> Plan:
-    def price(t: Template, region: str) -> float:
-        rows = PRICES[PRICES.region == region].set_index("node").usd_per_hour
-        return sum(k * rows[str(n)] for n, k in t.nodes.counts)
-
-    instances = tuple(PlannedInstance(t, r, c, price(t, r)) for t, r, c in items)
-    cost = sum(i.count * i.usd_per_hour for i in instances)
-    return Plan("core", "coral", "optimal", cost, cost, 0.0, 0.1, instances, {}, {})
 
 
 P1 = plan((QWEN, "aws:us-east-2", 2), (PHI, "aws:us-east-2", 1))
@@ -67,8 +41,8 @@ P2 = plan((QWEN, "aws:us-east-2", 1), (GPT, "gcp:us-central1", 1))
 
 
 def clusters_of(p: Plan) -> int:
-    """Clusters a plan needs, counted from the plan itself: its GPU nodes and one coordinator."""
-    return 1 + sum(i.count * i.template.nodes.size for i in p.instances)
+    """Clusters a plan needs, counted from the plan itself: its GPU nodes and the coordinator pair."""
+    return 2 + sum(i.count * i.template.nodes.size for i in p.instances)
 
 
 def heads(rows):
@@ -78,6 +52,11 @@ def heads(rows):
 
 def nodes(store: Store):
     return state.read_nodes(store)
+
+
+def primary(rows):
+    """The primary of the recorded coordinator pair (its standby's name is the primary's plus `-b`)."""
+    return rows[(rows.role == "coordinator") & (rows.slot == "primary")]
 
 
 def launched(calls):
@@ -120,15 +99,18 @@ def test_every_node_is_wired_to_its_scheduler_and_the_coordinator(store):
     reconcile(P1, "p1", store, launcher, RecordingDrainer(), PRICES)
     addr = {name: f"tcp://{ip}:5555" for name, ip in launcher.ips.items()}
     rows = nodes(store)
-    coord = rows[rows.role == "coordinator"].cluster_name.item()
-    assert launcher.requests[coord].config["envs"]["CORAL_MODEL"].split() == ["phi-4", "qwen3-32b"]
+    coord = primary(rows).cluster_name.item()
+    standby = f"{coord}-b"
+    for c in (coord, standby):
+        assert launcher.requests[c].config["envs"]["CORAL_MODEL"].split() == ["phi-4", "qwen3-32b"]
+    assert launcher.requests[standby].config["envs"]["CORAL_PRIMARY"] == addr[coord]
     for iid, inst in rows[rows.role == "engine"].groupby("instance_id"):
         head = heads(inst).cluster_name.item()
         sched = launcher.requests[head].config
         engines = [launcher.requests[c].config for c in inst.cluster_name]
         model = get_model(sched["envs"]["CORAL_MODEL"])
         assert sched["envs"]["CORAL_INSTANCE"] == iid and sched["envs"]["CORAL_HEAD"] == "1"
-        assert sched["envs"]["CORAL_COORDINATOR"] == addr[coord]
+        assert sched["envs"]["CORAL_COORDINATOR"] == f"{addr[coord]},{addr[standby]}"
         assert sched["resources"]["ports"] == [5555, 5556]
         split = [int(x) for x in sched["envs"]["CORAL_SPLIT"].split(",")]
         # Layer ranges tile [0, n_layers) in the split the scheduler and vLLM are given.
@@ -197,10 +179,12 @@ def test_new_plan_launches_added_drains_then_downs_removed_and_keeps_the_rest(st
     assert set(rows.loc[list(removed_clusters), "status"]) == {"down"}
     assert set(rows.loc[list(untouched), "status"]) == {"launched"}
     # The new instance's head (its scheduler) reports to the coordinator started by the first plan.
-    coord = first[first.role == "coordinator"].address.item()
+    coord = primary(first).address.item()
+    standby = first[(first.role == "coordinator") & (first.slot == "standby")].address.item()
+    pair = f"{coord},{standby}"
     new_head = heads(nodes(store).set_index("cluster_name").loc[added].reset_index()).cluster_name.item()
     assert {c: launcher.requests[c].config["envs"]["CORAL_COORDINATOR"] for c in added} == \
-        {c: coord if c == new_head else "" for c in added}
+        {c: pair if c == new_head else "" for c in added}
     assert set(drainer.coordinators) == {coord}
 
 
@@ -212,7 +196,7 @@ def test_a_replan_hands_the_live_coordinator_its_admission_limits_once(store):
     launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
     reconcile(P1, "p1", store, launcher, drainer, PRICES)
     assert ("admit", "") not in calls and not [c for c in calls if c[0] == "admit"]
-    coord = nodes(store)[nodes(store).role == "coordinator"].address.item()
+    coord = primary(nodes(store)).address.item()
     short = replace(P2, admission=AdmissionLimits(admit_req_s={"gpt-oss-20b": 1.5},
                                                   admit_depth_req={"gpt-oss-20b": 40.0}))
     n_before = len(calls)
@@ -337,12 +321,12 @@ def test_empty_plan_drains_everything_and_downs_the_coordinator_last(store):
     calls: list[tuple[str, str]] = []
     launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
     reconcile(P1, "p1", store, launcher, drainer, PRICES)
-    coord = nodes(store).query("role == 'coordinator'").cluster_name.item()
+    pair = set(nodes(store).query("role == 'coordinator'").cluster_name)
     n = len(calls)
     reconcile(plan(), "p0", store, launcher, drainer, PRICES)
     tail = calls[n:]
     assert len([c for c in tail if c[0] == "drain"]) == sum(i.count for i in P1.instances)
-    assert tail[-1] == ("down", coord)
+    assert {c for _, c in tail[-2:]} == pair and {a for a, _ in tail[-2:]} == {"down"}
     assert set(nodes(store).status) == {"down"}
 
 
@@ -420,12 +404,12 @@ def test_dry_run_script_launches_what_a_real_run_launches_from_one_yaml_per_kind
         assert cfg["resources"] == real.config["resources"] and cfg["envs"] == real.config["envs"], cluster
         assert cfg["run"] == real.config["run"] and sorted(secrets) == sorted(real.secret_names)
         # Each instance's nodes get the credential of their own instance, as `coral launch` derives it.
-        assert handed == resolve_secrets(real.secret_names, SECRETS, real.config["envs"].get("CORAL_INSTANCE", ""))
+        assert handed == resolve_secrets(real.secret_names, SECRETS, real.config["envs"])
         # The registration key goes to the coordinator only.
-        assert ("CORAL_REGISTRATION_KEY" in handed) == (cluster == diff.coordinator.cluster_name)
-        assert ("CORAL_INSTANCE_CREDENTIAL" in handed) == (cluster != diff.coordinator.cluster_name)
+        assert ("CORAL_REGISTRATION_KEY" in handed) == (cluster in diff.coordinator_clusters)
+        assert ("CORAL_INSTANCE_CREDENTIAL" in handed) == (cluster not in diff.coordinator_clusters)
     coordinator = diff.coordinator.cluster_name
-    assert f"OpenAI API: http://{launcher.ips[coordinator]}:8000/v1" in out
+    assert f"OpenAI API: https://{launcher.ips[coordinator]}:8000/v1" in out
     # Each wired cluster's address is looked up once, into a variable, not once per use.
     text = dry.script.read_text()
     assert text.count(f"sky status --ip {coordinator}") == 0 and text.count(f"$(address {coordinator})") == 1
@@ -440,12 +424,13 @@ def test_dry_run_script_launches_what_a_real_run_launches_from_one_yaml_per_kind
     launches = [c for c in calls if c[0] == "launch"]
     assert len(launches) == GPT.nodes.size
     # Known addresses are written in: the live coordinator's is never looked up.
-    coord = before.query("role == 'coordinator'")
+    coord = before.query("role == 'coordinator'").sort_values("cluster_name")
     for call in launches:
         cluster, cfg, _ = _launched_config(call, dry.script.parent)
         if cfg["envs"].get("CORAL_COORDINATOR"):
-            assert cfg["envs"]["CORAL_COORDINATOR"] == coord.address.item()
-    assert coord.cluster_name.item() not in dry.script.read_text().split("down -y")[0].split("sky status")[-1]
+            assert cfg["envs"]["CORAL_COORDINATOR"] == ",".join(coord.address)
+    for name in coord.cluster_name:
+        assert name not in dry.script.read_text().split("down -y")[0].split("sky status")[-1]
     assert nodes(store).equals(before)
 
 
@@ -516,43 +501,25 @@ def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
     assert doc["gpu_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour)
     assert len(doc["nodes"]) == clusters_of(P1) and doc["last_run"]["status"] == "done"
     coordinator = [n["cluster_name"] for n in doc["nodes"] if n["role"] == "coordinator"]
-    assert doc["unpriced_clusters"] == coordinator and len(coordinator) == 1
+    assert doc["unpriced_clusters"] == coordinator and len(coordinator) == 2
     text = _cli(monkeypatch, ["status", "--db", str(store.path)], P1, "p1")
     assert "3 instance(s)" in text
     # The coordinator's OpenAI URL, on the address it was launched at.
-    address = state.read_nodes(store).query("role == 'coordinator'").address.item()
-    url = f"http://{address.removeprefix('tcp://').rsplit(':', 1)[0]}:8000/v1"
+    address = primary(state.read_nodes(store)).address.item()
+    url = f"https://{address.removeprefix('tcp://').rsplit(':', 1)[0]}:8000/v1"
     assert doc["url"] == url and f"OpenAI API: {url}" in text
-
-
-def _store_on_snapshot(store, p: Plan, price_scale: float = 1.0) -> str:
-    """Store the plan on core's bundled market snapshot with every price times `price_scale`; its plan id."""
-    from dataclasses import replace
-
-    from coral_dagster.allocation.storage import store_plan
-    from coral_dagster.catalog.market import MarketSnapshot
-    from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.catalog.store import append_snapshot
-
-    snap = load_scenario("core").market()
-    snap = MarketSnapshot(f"{snap.snapshot_id}-p{price_scale:g}", snap.taken_at, tuple(
-        replace(o, usd_per_hour=o.usd_per_hour * price_scale) for o in snap.offers), snap.scenario_key)
-    append_snapshot(store, snap)
-    return store_plan(store, replace(p, snapshot_id=snap.snapshot_id, scenario_key=snap.scenario_key),
-                      "run-1", {}).plan_id
 
 
 def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):
     """Two plans of the same instances on snapshots whose prices differ 3×: each dry run prices its GPU nodes from
     its own snapshot, and the sum is what the bundled price table gives times that snapshot's factor."""
     from coral_dagster.app.deployment import deploy
-    from coral_dagster.deploy.reconcile import plan_diff
     from coral_dagster.allocation.storage import load_plan
 
     rows = PRICES.set_index(["region", "node"]).usd_per_hour
     bundled = sum(i.count * k * rows[(i.region, str(n))] for i in P1.instances for n, k in i.template.nodes.counts)
     for scale in (1.0, 3.0):
-        plan = load_plan(store, _store_on_snapshot(store, P1, scale))
+        plan = load_plan(store, store_on_snapshot(store, P1, scale))
         report = deploy(store, plan, out=tmp_path / f"x{scale:g}").as_dict()
         assert report["plan_id"] == plan.plan_id
         assert report["gpu_usd_per_hour"] == pytest.approx(bundled * scale, rel=1e-6)
@@ -562,7 +529,7 @@ def test_deploy_prices_nodes_from_the_plans_own_snapshot(store, tmp_path):
 def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
     from coral_dagster.deploy import sky_adapter
 
-    plan_id = _store_on_snapshot(store, P1)
+    plan_id = store_on_snapshot(store, P1)
     runner = CliRunner()
     dry = runner.invoke(launch_cli.launch, ["--dry-run", "--json", "--db", str(store.path), "--out",
                                             str(tmp_path / "y")], catch_exceptions=False)
@@ -577,6 +544,6 @@ def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
     report = json.loads(real.output)
     assert report["status"] == "done" and sorted(report["launched"]) == sorted(launcher.ips)
     coordinator = next(c for c in launcher.ips if c.endswith("-coord"))
-    assert report["url"] == f"http://{launcher.ips[coordinator]}:8000/v1"
+    assert report["url"] == f"https://{launcher.ips[coordinator]}:8000/v1"
     assert len(launcher.ips) == clusters_of(P1)
     assert set(state.read_nodes(store).plan_id) == {plan_id}

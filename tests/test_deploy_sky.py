@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -33,6 +29,7 @@ from coral_dagster.runtime import credentials
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
+from support.sky_catalog import _catalog, run_sky
 
 PRICES = load_node_prices()
 SENTINEL = {"HF_TOKEN": "hf_SENTINEL_51d0", "CORAL_CURVE_SECRET_KEY": "curve_SENTINEL_9a7e",
@@ -158,32 +155,6 @@ PLAN = Plan("extended", "coral", "optimal", 0.0, 0.0, 0.0, 0.1, (
 ), {}, {})
 
 
-def _catalog(home: Path) -> None:
-    """The bundled CSVs as SkyPilot's v8 catalog, plus its accelerator-name table for the names they use."""
-    root = home / ".sky" / "catalogs" / "v8"
-    clouds: dict[str, set[str]] = {}
-    for cloud, name in (("aws", "aws_gpu_vms.csv"), ("gcp", "gcp_gpu_vms.csv")):
-        (root / cloud).mkdir(parents=True)
-        text = (paths.PRICES_DIR / name).read_text()
-        (root / cloud / "vms.csv").write_text(text)
-        for acc in pd.read_csv(paths.PRICES_DIR / name).AcceleratorName.dropna().unique():
-            clouds.setdefault(acc, set()).add(cloud.upper())
-    (root / "common").mkdir()
-    pd.DataFrame({"AcceleratorName": sorted(clouds), "Clouds": [str(sorted(clouds[a])) for a in sorted(clouds)]}
-                 ).to_csv(root / "common" / "accelerators.csv", index=False)
-
-
-def run_sky(code: str, payload: dict, home: Path) -> subprocess.CompletedProcess:
-    """`code` in a child Python reading `payload` as JSON on stdin, with HOME at `home` (its SkyPilot catalog)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYPILOT")}
-    env.pop("SKY_RUNTIME_DIR", None)
-    env["HOME"] = str(home)
-    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(payload), capture_output=True, text=True,
-                          cwd=paths.REPO_ROOT, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr[-8000:]
-    return done
-
-
 def _zones(row) -> list[str]:
     """The zones the raw CSV lists for a price row's instance type (GCP: its accelerator rows' zones)."""
     cloud, region = row.region.split(":")
@@ -228,6 +199,7 @@ def probe(tmp_path_factory):
     result["_stderr"] = done.stderr
     result["_diff"] = diff
     result["_engine_instance"] = engine.config["envs"]["CORAL_INSTANCE"]
+    result["_engine_envs"] = dict(engine.config["envs"])
     result["_launcher"] = launcher
     result["_wired"] = {str(p) for p in wired}
     result["_kinds"] = {str(p) for p in dry.yaml_paths}
@@ -251,7 +223,7 @@ def _ports(envs: dict) -> list[str]:
 
 def test_every_generated_and_checked_in_task_loads_and_validates(probe):
     tasks = probe["tasks"]
-    n_nodes = 1 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
+    n_nodes = 2 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
     assert len(tasks) == len(probe["_kinds"]) + n_nodes + 3 and len(probe["_kinds"]) <= n_nodes
     for t in tasks:
         assert t["ports"] == _ports(t["envs"]), t["path"]
@@ -278,8 +250,8 @@ def test_engine_resources_match_the_plan_node_by_node(probe):
 
 
 def test_full_cost_is_skypilots_price_of_every_gpu_task_and_the_coordinator_is_named_unpriced(probe):
-    """The launched tasks are the plan's GPU nodes plus one coordinator; SkyPilot's own hourly price of the GPU
-    tasks sums to the deployment's GPU cost; the coordinator (no instance type pinned) is listed as unpriced, and
+    """The launched tasks are the plan's GPU nodes plus the coordinator pair; SkyPilot's own hourly price of the GPU
+    tasks sums to the deployment's GPU cost; each coordinator (no instance type pinned) is listed as unpriced, and
     the disk SkyPilot will give each cluster is the one the cost states."""
     from coral_dagster.deploy.cost import deployment_cost
 
@@ -288,9 +260,10 @@ def test_full_cost_is_skypilots_price_of_every_gpu_task_and_the_coordinator_is_n
     gpu = [t for t in wired if t["accelerators"]]
     cpu = [t for t in wired if not t["accelerators"]]
     assert len(gpu) == sum(i.count * i.template.nodes.size for i in PLAN.instances) == cost.gpu_nodes
-    assert len(cpu) == cost.cpu_nodes == 1 and cpu[0]["instance_type"] is None and cpu[0]["cpus"] == "4+"
+    assert len(cpu) == cost.cpu_nodes == 2 and all(c["instance_type"] is None and c["cpus"] == "4+" for c in cpu)
     assert cost.gpu_usd_per_hour == pytest.approx(sum(t["usd_per_hour"] for t in gpu), rel=1e-9)
-    assert cost.cpu_usd_per_hour == 0 and any(cpu[0]["name"] in u and "unpriced" in u for u in cost.unpriced)
+    assert cost.cpu_usd_per_hour == 0
+    assert all(any(c["name"] in u and "unpriced" in u for u in cost.unpriced) for c in cpu)
     assert {t["name"]: t["disk_size"] for t in wired} == dict(cost.disk_gb)
 
 
@@ -353,12 +326,17 @@ def test_the_dry_run_script_launches_what_a_real_run_launches_as_skypilot_reads_
 
 
 def test_secrets_go_to_skypilot_as_secrets_only(probe):
-    """An engine node gets the shell's secrets, less the registration key, and its own instance's credential."""
+    """An engine node gets the shell's secrets, less the registration key, its own instance's credential (the head
+    only) and its own node credential."""
     s = probe["secrets"]
     instance = probe["_engine_instance"]
     own = credentials.instance_credential(SENTINEL["CORAL_REGISTRATION_KEY"], instance)
+    envs = probe["_engine_envs"]
+    head = envs["CORAL_HEAD"] == "1"
+    node = credentials.node_credential_of(SENTINEL["CORAL_REGISTRATION_KEY"], instance, int(envs["CORAL_STAGE_RANK"]),
+                                          envs["CORAL_NODE"])
     assert s["values"] == {**{k: v for k, v in SENTINEL.items() if k != "CORAL_REGISTRATION_KEY"},
-                           "CORAL_INSTANCE_CREDENTIAL": own}
+                           "CORAL_INSTANCE_CREDENTIAL": own if head else "", "CORAL_NODE_CREDENTIAL": node}
     others = {n.env()["CORAL_INSTANCE"] for n in probe["_diff"].nodes_to_launch() if n.role != "coordinator"}
     assert len(others) > 1 and all(credentials.instance_credential(SENTINEL["CORAL_REGISTRATION_KEY"], i) != own
                                    for i in others - {instance})

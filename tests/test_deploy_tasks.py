@@ -31,8 +31,10 @@ def test_gpu_nodes_run_setup_node_and_cpu_nodes_install_the_runtime_alone():
         assert "vllm" not in setup and "setup_node" not in setup and "python -m pip install -e ." in setup
     project = tomllib.loads((paths.REPO_ROOT / "pyproject.toml").read_text())["project"]
     base = {re.split(r"[=<>]", d)[0] for d in project["dependencies"]}
-    # uvicorn: the coordinator's front door; prometheus-client its /metrics; jinja2 its chat templates.
-    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn", "prometheus-client", "jinja2"}
+    # uvicorn: the coordinator's front door; prometheus-client its /metrics; jinja2 its chat templates; fastapi and
+    # pydantic its typed API (/openapi.json, /docs, CORS); llguidance its structured outputs.
+    assert base == {"pyzmq", "pyyaml", "numpy", "click", "uvicorn", "prometheus-client", "jinja2", "fastapi",
+                    "pydantic", "llguidance"}
 
 
 def _setup_node_pip_calls(tmp_path, cuda: bool = False, **env: str) -> list[str]:

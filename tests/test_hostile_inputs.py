@@ -13,7 +13,6 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
-import yaml
 import zmq
 from click.testing import CliRunner
 
@@ -190,6 +189,7 @@ def test_a_local_deployment_on_ipv6_loopback_serves_over_zeromq_and_http(tmp_pat
         assert dep.wait_ready(60)["serving"] == ["tiny-llama"]
         with dep.client() as c:
             assert c.complete("tiny-llama", ["hi"], max_tokens=2)[0]["kind"] == "done"
-        request = urllib.request.Request(f"{dep.http_url}/v1/models", headers={"Authorization": f"Bearer {dep.api_key}"})
+        request = urllib.request.Request(f"{dep.http_url}/v1/models",
+                                         headers={"Authorization": f"Bearer {dep.api_key}"})
         with urllib.request.urlopen(request, timeout=10) as response:
             assert [m["id"] for m in json.load(response)["data"]] == ["tiny-llama"]

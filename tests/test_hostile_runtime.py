@@ -18,7 +18,7 @@ from coral_dagster.runtime.client import FINAL, Client
 from coral_dagster.runtime.config import CoordinatorConfig, Timing
 from coral_dagster.runtime.coordinator import MAX_DEATHS, MAX_INSTANCES, MAX_NAME_CHARS, MAX_STAGES_BYTES, Coordinator
 from coral_dagster.runtime.security import CurveKeys
-from support.runtime_fakes import FakeScheduler, background, one_token
+from support.runtime_fakes import FakeScheduler, background
 
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=1.0, request_timeout_s=10.0)
 LIMITS = {"vocab": 512, "max_context": 4096}

@@ -113,7 +113,7 @@ def test_prices_file_prices_the_plan(setup, tmp_path, monkeypatch):
         nodes = NodeMultiset.parse(i["nodes"])
         assert i["instance_usd_per_hour"] == pytest.approx(sum(PRICES[str(n)] * k for n, k in nodes.counts))
     assert out["cost_usd_per_hour"] == pytest.approx(sum(i["usd_per_hour"] for i in out["instances"]))
-    shown = json.loads(CliRunner().invoke(main, ["catalog", "prices", "--json"]).output)
+    shown = json.loads(CliRunner().invoke(main, ["catalog", "prices", "--json", "--prices", str(prices)]).output)
     assert {(r["node"], r["usd_per_hour"]) for r in shown} == set(PRICES.items())
 
 

@@ -150,11 +150,14 @@ def test_user_file_named_like_a_bundled_scenario_keeps_its_own_library(tmp_path)
     assert load_library(store, dataclasses.replace(user, n_max=2)) == sorted(stand_in, key=lambda t: t.template_id)
 
 
-def test_scenario_help_says_files_are_accepted():
-    for args in (["plan"], ["run"], ["simulate"], ["templates", "build"], ["templates", "list"],
-                 ["templates", "best"]):
+def test_scenario_help_says_what_each_command_accepts():
+    """Step-by-step commands take scenario files; `coral run` (whose pipeline is partitioned by the bundled
+    scenarios' models) says it takes a bundled scenario, and refuses a file with the commands that take one."""
+    for args in (["plan"], ["simulate"], ["templates", "build"], ["templates", "list"], ["templates", "best"]):
         res = CliRunner().invoke(main, [*args, "--help"])
         assert res.exit_code == 0 and ".yml" in res.output, args
+    res = CliRunner().invoke(main, ["run", "--help"])
+    assert res.exit_code == 0 and "Bundled scenario" in res.output and "--scenario FILE" in res.output
 
 
 def test_two_files_of_one_name_keep_their_own_plans_and_snapshots(tmp_path):

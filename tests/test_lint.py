@@ -18,8 +18,8 @@ def _tool(name: str) -> str:
     return str(path)
 
 
-def test_ruff_is_clean_on_the_package():
-    out = subprocess.run([_tool("ruff"), "check", "coral_dagster", "assets", "resources", "bench"], cwd=ROOT,
+def test_ruff_is_clean_on_the_package_and_its_tests():
+    out = subprocess.run([_tool("ruff"), "check", "coral_dagster", "assets", "resources", "bench", "tests"], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
 

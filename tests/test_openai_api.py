@@ -155,17 +155,24 @@ def test_echo_puts_the_prompt_first(served):
 
 @pytest.mark.parametrize("kind, kwargs, param", [
     ("completion", {"extra_body": {"frobnicate": 1}}, "frobnicate"),
-    ("completion", {"presence_penalty": 0.5}, "presence_penalty"),
+    ("completion", {"presence_penalty": -3}, "presence_penalty"),
     ("completion", {"logit_bias": {"65": 5}}, "logit_bias"),
     ("completion", {"suffix": "tail"}, "suffix"),
     ("completion", {"logprobs": 2, "echo": True}, "echo"),
     ("completion", {"temperature": 3.0}, "temperature"),
     ("completion", {"n": 0}, "n"),
     ("completion", {"stream_options": {"include_usage": True}}, "stream_options"),
-    ("chat", {"frequency_penalty": 1.0}, "frequency_penalty"),
-    ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("chat", {"frequency_penalty": 2.5}, "frequency_penalty"),
+    ("completion", {"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+    ("completion", {"extra_body": {"min_tokens": 3}}, "min_tokens"),
+    ("chat", {"extra_body": {"skip_special_tokens": "no"}}, "skip_special_tokens"),
+    ("chat", {"logit_bias": {"65": 5}}, "logit_bias"),
+    ("chat", {"tools": [{"type": "function"}]}, "tools"),
+    ("chat", {"tool_choice": "required"}, "tool_choice"),
     ("chat", {"top_logprobs": 2}, "top_logprobs"),
-    ("chat", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("chat", {"response_format": {"type": "xml"}}, "response_format"),
+    ("chat", {"extra_body": {"guided_regex": "[a-"}}, "guided_regex"),
+    ("completion", {"extra_body": {"guided_choice": ["a"], "guided_regex": "a"}}, "guided_choice"),
 ])
 def test_unknown_or_unsupported_fields_are_openai_400s(served, kind, kwargs, param):
     with pytest.raises(openai.BadRequestError) as caught:
@@ -283,7 +290,8 @@ def test_a_kept_alive_connections_second_request_gets_its_own_header_timeout():
 
 
 def test_the_served_torch_engine_behaves_as_the_reference(served):
-    """The engine-parity battery (tests/support/openai_battery.py) on the torch engine; test_vllm_cpu runs it on vLLM."""
+    """The engine-parity battery (tests/support/openai_battery.py) on the torch engine; test_vllm_cpu runs it on
+    vLLM."""
     from support.openai_battery import assert_same, expected, observe
 
     assert_same(observe(f"{served.url}/v1", KEY), expected())

@@ -41,7 +41,8 @@ def _sent_kinds() -> dict[str, set[str]]:
                     continue
                 if isinstance(value, ast.Constant) and isinstance(value.value, str):
                     found.setdefault(path.name, set()).add(value.value)
-                elif isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name) and value.value.id == "Kind":
+                elif (isinstance(value, ast.Attribute) and isinstance(value.value, ast.Name)
+                      and value.value.id == "Kind"):
                     found.setdefault(path.name, set()).add(Kind[value.attr].value)
     return found
 
@@ -151,8 +152,9 @@ def test_one_table_names_every_coral_variable_of_the_runtime():
     # Variables no option reads: the keys (secrets travel in the environment, never on a command line) and those of
     # the task scripts.
     assert table - options == {Env.CURVE_SECRET_KEY, Env.CURVE_PUBLIC_KEYS, Env.REGISTRATION_KEY,
-                               Env.INSTANCE_CREDENTIAL, Env.HEAD, Env.VLLM_SPEC, Env.PROFILE_NODE, Env.PROFILE_LAYERS,
-                               Env.MODELS_DIR}
+                               Env.INSTANCE_CREDENTIAL, Env.NODE_CREDENTIAL,
+                               Env.HEAD, Env.VLLM_SPEC, Env.PROFILE_NODE, Env.PROFILE_LAYERS,
+                               Env.MODELS_DIR, Env.PLAIN_HTTP, Env.PRIMARY}
     # What the deployment specs and SkyPilot tasks set, and what any runtime module reads, is in the table.
     written = set()
     for path in [ROOT / "coral_dagster" / "deploy" / "spec.py", ROOT / "coral_dagster" / "deploy" / "tasks.py",

@@ -143,7 +143,8 @@ def test_request_errors_are_not_retried_on_another_instance(status, attempts):
                                               max_retries=1), keys, ctx=ctx)
         background(stack, coord.run)
         def refuse(name: str, h: dict) -> list[dict]:
-            return [{"kind": "error", "instance": name, "rid": h["rid"], "status": status, "problem": f"{name} says no"}]
+            return [{"kind": "error", "instance": name, "rid": h["rid"], "status": status,
+                     "problem": f"{name} says no"}]
 
         fakes = [FakeScheduler(coord.address, name, keys, answer=refuse) for name in ("p", "q")]
         for fake in fakes:

@@ -104,7 +104,8 @@ def _deploy(stack: ExitStack, keys: CurveKeys | None, registration_key: str = ""
         settings = NodeSettings(f"n{stage}", MODEL, start, end, CFG.n_layers, stage, sched.address, listen=listen,
                                 advertise=advertise, timing=TIMING)
         node = EngineNode(settings, torch_engine.TorchEngine(CFG, start, end), keys, insecure,
-                          ctx=contexts[2 + stage])
+                          ctx=contexts[2 + stage],
+                          credential=credentials.node_credential(credential, stage, f"n{stage}") if credential else "")
         background(stack, node.run)
         nodes.append(node)
     return coord.address, nodes[1], relay

@@ -50,7 +50,8 @@ def test_children_die_with_a_killed_serve_local(tmp_path):
         assert ready, "serve local never became ready"
         info = json.loads(proc.stdout.readline())
         pids = list(info["pids"].values())
-        assert len(pids) == 4 and not any(gone(p) for p in pids)
+        # Coordinator, its standby, scheduler, two engine nodes.
+        assert len(pids) == 5 and not any(gone(p) for p in pids)
         # Each leads its own process group, which takes along whatever the process starts.
         assert [pgid(p) for p in pids] == pids
         proc.send_signal(signal.SIGKILL)
@@ -124,7 +125,8 @@ def test_a_node_and_its_helpers_die_with_a_killed_supervisor(tmp_path):
         assert not any(gone(p) for p in pids)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        wait_for(lambda: all(gone(p) for p in pids), 20, "the node or its helpers still running after the supervisor died")
+        wait_for(lambda: all(gone(p) for p in pids), 20,
+                 "the node or its helpers still running after the supervisor died")
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -41,6 +41,7 @@ from coral_dagster.allocation.types import Plan, PlannedInstance, Scarcity
 from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, quiet_stdout
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import DEMAND_PHASES, Method, SolveStatus
 
 MAX_RATIO = 8
 BISECTION_STEPS = 24
@@ -155,7 +156,9 @@ def least_cost_cover(problem: AllocationProblem, columns: Sequence[Column], mode
     rows, lo, hi = [], [], []
     route = np.zeros(n + nr)
     route[n:] = 1.0
-    rows.append(route), lo.append(fraction + SOLVER_SLACK), hi.append(np.inf)
+    rows.append(route)
+    lo.append(fraction + SOLVER_SLACK)
+    hi.append(np.inf)
     for r, region in enumerate(regions):
         for phase in phases:
             row = np.zeros(n + nr)
@@ -163,13 +166,17 @@ def least_cost_cover(problem: AllocationProblem, columns: Sequence[Column], mode
                 if c.region == region:
                     row[j] = _fraction(problem, c, model).get(phase, 0.0)
             row[n + r] = -1.0
-            rows.append(row), lo.append(0.0), hi.append(np.inf)
+            rows.append(row)
+            lo.append(0.0)
+            hi.append(np.inf)
     for key in nodes:
         row = np.zeros(n + nr)
         for j, c in enumerate(cols):
             if c.region == key[0]:
                 row[j] = c.template.node_count(key[1])
-        rows.append(row), lo.append(-np.inf), hi.append(pool.get(key, 0))
+        rows.append(row)
+        lo.append(-np.inf)
+        hi.append(pool.get(key, 0))
     cost = np.concatenate([[c.usd_per_hour for c in cols], np.zeros(nr)])
     upper = np.concatenate([[_fits(_need(c), pool) for c in cols],
                             np.full(nr, np.inf)])
@@ -241,7 +248,7 @@ class _Greedy:
         if method == "homo":
             self.columns = [c for c in columns if c.template.phase == "aggregated" and is_one_node(c.template)]
         else:
-            self.columns = [c for c in columns if c.template.phase in ("prefill", "decode")]
+            self.columns = [c for c in columns if c.template.phase in DEMAND_PHASES]
         self.options = {m: build(self.problem, self.columns, m) for m in self.models}
         self.time_limit_s = time_limit_s
         self.capped = method == "cauchy"
@@ -252,7 +259,7 @@ class _Greedy:
 
         The state after each prefix of (model, target) is remembered: a search that moves one model's target
         re-plays only the models after it."""
-        state = (True, dict(self.problem.available_nodes), {})
+        state: tuple[bool, Pool, dict[int, int]] = (True, dict(self.problem.available_nodes), {})
         prefix: tuple = ()
         for model in self.models:
             prefix += ((model, targets.get(model, 1.0)),)
@@ -286,7 +293,7 @@ class _Greedy:
         return lo
 
 
-def _greedy_plan(problem: AllocationProblem, method: str, scarcity_mode: Scarcity | None,
+def _greedy_plan(problem: AllocationProblem, method: Method, scarcity_mode: Scarcity | None,
                  time_limit_s: float) -> Plan:
     if scarcity_mode not in (None, "scale", "fair"):
         raise CoralError(f"unknown scarcity mode {scarcity_mode!r}.", "use scale, fair, or none.")
@@ -295,7 +302,8 @@ def _greedy_plan(problem: AllocationProblem, method: str, scarcity_mode: Scarcit
     notes = [f"{method}: greedy over {len(greedy.columns)} (template, region) pairs, the last part of "
              f"each model's demand at least cost"]
     ok, instances = greedy.attempt({})
-    status, level = "heuristic", 1.0
+    status: SolveStatus = "heuristic"
+    level = 1.0
     if not ok:
         if scarcity_mode is None:
             raise InfeasibleError(f"{method} cannot meet demand with this availability (greedy over "

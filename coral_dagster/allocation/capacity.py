@@ -26,6 +26,10 @@ import numpy as np
 from coral_dagster.catalog.traces import load_trace
 
 ATTAINMENT_WINDOW_S = 600.0
+# The share of the first admission bucket's requests the second may shed (`delivery_depth_req`).
+DELIVERY_LOSS = 0.02
+# The second bucket's refill is tried this many times slower at each step below the carried rate (`peak_bucket`).
+REFILL_STEP = 1.05
 
 
 @dataclass(frozen=True)
@@ -158,17 +162,23 @@ def admission_depth_req(trace: str, rate_req_s: float, share: float, refill_req_
 def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_req: float, carried_req_s: float,
                 max_depth_req: float, phases: tuple[tuple[str, float, float], ...], slo_margin: float, target: float,
                 window_s: float = ATTAINMENT_WINDOW_S) -> tuple[float, float]:
-    """The second admission bucket (refill req/s, depth requests): refilling at `carried_req_s` and `max_depth_req`
-    deep where what the two buckets admit of the whole trace replayed at `rate_req_s` (the first one refilling at
-    `admit_req_s`, `admit_depth_req` deep, as `routing.Admission` admits) meets the rule's criterion in every phase
-    (in every `window_s` window starting in the first two loops, a share `target` of the admitted requests wait
-    within their slack in the fluid queue of the plan's capacity for the phase; from the start, as a coordinator
-    starts: buckets full, queues empty); else the deepest that does (to one request); else one
-    request deep at the fastest refill in [`admit_req_s`, `carried_req_s`] that does (to 1%), the admitted rate
-    itself where none does. `phases` holds per phase (phase, SLO ms, capacity in units of the trace's mean rate at
-    `rate_req_s`, e.g. served share × capacity factor). Buckets admit a burst's head whole, faster than the evenly
-    thinned stream the rule sized the capacity for, so under sustained overload the queues sit near the second
-    bucket's depth."""
+    """The second admission bucket (refill req/s, depth requests), at most as fast as `carried_req_s` (the request
+    rate the plan's capacity carries) and never so shallow that it sheds what the first bucket (refilling at
+    `admit_req_s`, `admit_depth_req` deep, as `routing.Admission` admits) passes of the trace replayed at
+    `rate_req_s`: at least `delivery_depth_req` deep at its refill. A bucket shallower than a burst sheds the tail
+    of every burst the first admits (one request deep at the admitted rate, a stream offered at twice that rate
+    keeps two thirds of it), so the model would get less than the share the plan promises.
+
+    Within that, what the buckets admit of the whole trace should meet the rule's criterion in every phase (in
+    every `window_s` window starting in the first two loops, a share `target` of the admitted requests wait within
+    their slack in the fluid queue of the plan's capacity for the phase; from the start, as a coordinator starts:
+    buckets full, queues empty): refilling at `carried_req_s`, `max_depth_req` deep where that meets it; else the
+    deepest that does (to one request) where that delivers; else the fastest refill above `admit_req_s`, in steps
+    of `REFILL_STEP` down from `carried_req_s`, that meets it at its delivering depth; else the carried rate at its
+    delivering depth (the promise first: the fluid queue serves a burst's requests one after the other at the
+    whole capacity, so it judges a short burst harsher than batching instances do; the simulation checks the
+    admitted requests' attainment, `bench.scarcity_goodput`). `phases` holds per phase (phase, SLO ms, capacity in
+    units of the trace's mean rate at `rate_req_s`, e.g. served share × capacity factor)."""
     from coral_dagster.routing import Admission
 
     period_s = trace_period_s(trace, rate_req_s)
@@ -178,24 +188,55 @@ def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_r
         work, budget = _phase_load(phase, prompt, output, (1.0 - slo_margin) * slo_ms / 1000.0)
         loads.append((work, budget, max(capacity * float(work[:n].sum()) / (arrival[n] - arrival[0]), 1e-9)))
 
+    def delivery(refill: float) -> float:
+        return delivery_depth_req(trace, rate_req_s, admit_req_s, admit_depth_req, refill)
+
     def meets(refill: float, depth: float) -> bool:
-        admitted = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)})
-                            .admits("m", arrival.tolist()))
-        t = arrival[admitted]
+        keep = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)})
+                        .admits("m", arrival.tolist()))
+        t = arrival[keep]
         starts = slice(0, int(np.searchsorted(t, arrival[2 * n])))
-        return all(worst_window_share(t, fluid_waits(t, work[admitted], cap) <= budget[admitted], window_s, starts)
+        return all(worst_window_share(t, fluid_waits(t, work[keep], cap) <= budget[keep], window_s, starts)
                    >= target for work, budget, cap in loads)
 
     if meets(carried_req_s, max_depth_req):
         return carried_req_s, float(max_depth_req)
-    if meets(carried_req_s, 1.0):
-        lo, hi = 1.0, float(max_depth_req)
-        while hi - lo > 1.0:
-            mid = float(np.floor((lo + hi) / 2.0))
-            lo, hi = (mid, hi) if meets(carried_req_s, mid) else (lo, mid)
+    lo, hi = 1.0, float(max_depth_req)
+    while hi - lo > 1.0:
+        mid = float(np.floor((lo + hi) / 2.0))
+        lo, hi = (mid, hi) if meets(carried_req_s, mid) else (lo, mid)
+    floor = delivery(carried_req_s)
+    if lo >= floor and meets(carried_req_s, lo):
         return carried_req_s, lo
-    lo, hi = admit_req_s, carried_req_s
-    while hi / lo > 1.01:
-        mid = (lo * hi) ** 0.5
-        lo, hi = (mid, hi) if meets(mid, 1.0) else (lo, mid)
-    return lo, 1.0
+    refill = carried_req_s / REFILL_STEP
+    while refill > admit_req_s:
+        if meets(refill, delivery(refill)):
+            return refill, delivery(refill)
+        refill /= REFILL_STEP
+    return carried_req_s, floor
+
+
+@lru_cache(maxsize=256)
+def delivery_depth_req(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_req: float,
+                       carried_req_s: float) -> float:
+    """The least depth (to one request, at most the first bucket's) of a second bucket refilling at `carried_req_s`
+    at which the two buckets admit at least (1 − `DELIVERY_LOSS`) of what the first bucket alone admits of the
+    trace replayed at `rate_req_s` (three loops, counted after the first, which starts the buckets): the second
+    bucket then caps how fast a burst enters, not how much of the promised rate gets in."""
+    from coral_dagster.routing import Admission
+
+    arrival, _, _, n = _stream(trace, rate_req_s, 3)
+    times = arrival.tolist()
+    alone = sum(Admission({"m": admit_req_s}, {"m": admit_depth_req}).admits("m", times)[n:])
+
+    def delivers(depth: float) -> bool:
+        both = Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (carried_req_s, depth)})
+        return sum(both.admits("m", times)[n:]) >= (1.0 - DELIVERY_LOSS) * alone
+
+    if delivers(1.0):
+        return 1.0
+    lo, hi = 1.0, float(max(admit_depth_req, 1.0))
+    while hi - lo > 1.0:
+        mid = float(np.floor((lo + hi) / 2.0))
+        lo, hi = (lo, mid) if delivers(mid) else (mid, hi)
+    return hi

@@ -35,8 +35,9 @@ MAX_COUNT = 100_000
 _STRING = re.compile(rb'"(?:[^"\\]|\\.)*"', re.DOTALL)
 
 
-def plan_to_doc(plan: Plan) -> dict:
-    """The plan as a JSON-ready dict (no NaN or infinity anywhere: a bound that is not finite is null)."""
+def plan_to_doc(plan: Plan, *, derived: bool = True) -> dict:
+    """The plan as a JSON-ready dict (no NaN or infinity anywhere: a bound that is not finite is null); without
+    `derived`, only what is read back (no `routing_shares`, which costs a search over every instance)."""
     keys = sorted(set(plan.demand_tokens_per_s) | set(plan.served_tokens_per_s))
     served = {_key(k): {**({"demand_tokens_per_s": plan.demand_tokens_per_s[k]} if k in plan.demand_tokens_per_s
                            else {}),
@@ -62,7 +63,7 @@ def plan_to_doc(plan: Plan) -> dict:
              "stages": stages_doc(i.template.stages)}
             for i in plan.instances],
         "served": served,
-        "routing_shares": finite_json(plan.routing_shares),
+        **({"routing_shares": finite_json(plan.routing_shares)} if derived else {}),
         "admission": {"capacity_factors": {_key(k): f for k, f in sorted(adm.capacity_factors.items())},
                       "admit_req_s": dict(adm.admit_req_s), "admit_depth_req": dict(adm.admit_depth_req),
                       "admit_peak": {m: list(v) for m, v in adm.admit_peak.items()}},
@@ -118,12 +119,14 @@ def _finite_float(text: str) -> float:
 
 def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = True) -> Plan:
     """A Plan from `plan_to_doc`'s form, checked field by field (CatalogError naming `where`, the row and field).
-    With `catalog`, models must be the catalog's (stages covering their layers) and regions cloud:region; the store
-    reads without (it holds plans of any problem, synthetic ones included, checked when they were made)."""
+    With `catalog`, models must be the catalog's (stages covering their layers), regions the price table's, and
+    every node one its GPU catalog has and its region sells; the store reads without (it holds plans of any
+    problem, synthetic ones included, checked when they were made)."""
     rows = doc.get("instances")
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise CatalogError(where, "-", "instances", "expected a list of instance objects", FIX)
-    instances = tuple(_instance(row, where, f"instances[{i}]", catalog) for i, row in enumerate(rows))
+    offers = _offers() if catalog else None
+    instances = tuple(_instance(row, where, f"instances[{i}]", offers) for i, row in enumerate(rows))
     text = {k: _text(doc, k, where, default) for k, default in (
         ("scenario", ""), ("method", "coral"), ("status", "optimal"), ("snapshot_id", ""), ("scenario_key", ""),
         ("expected_from", ""), ("plan_id", ""))}
@@ -164,11 +167,24 @@ def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = Tru
         expected_from=text["expected_from"], scenario_key=text["scenario_key"])
 
 
-def _instance(row: dict, where: object, at: str, catalog: bool) -> PlannedInstance:
+def _offers() -> dict[str, set[str]]:
+    """The node configurations each region of the price table in use sells (`--prices` / `$CORAL_PRICES`)."""
+    from coral_dagster.catalog.prices import load_node_prices
+
+    offers: dict[str, set[str]] = {}
+    for region, node in load_node_prices()[["region", "node"]].itertuples(index=False):
+        offers.setdefault(str(region), set()).add(str(node))
+    return offers
+
+
+def _instance(row: dict, where: object, at: str, offers: dict[str, set[str]] | None) -> PlannedInstance:
+    catalog = offers is not None
     model = _model(row, where, at, catalog)
     phase = cast(Phase, _choice(row, "phase", PHASES, where, at))
-    region = _region(row, where, at, catalog)
+    region = _region(row, where, at, offers)
     stages = _stages(row, model, where, at, catalog)
+    if offers is not None:
+        _sold(stages, region, offers[region], where, at)
     count = row.get("count")
     if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= MAX_COUNT:
         raise CatalogError(where, at, "count", f"{count!r} is not a whole number of instances from 1 to "
@@ -325,13 +341,33 @@ def _model(row: Mapping, where: object, at: str, catalog: bool) -> str:
     return value
 
 
-def _region(row: Mapping, where: object, at: str, catalog: bool) -> str:
+def _region(row: Mapping, where: object, at: str, offers: dict[str, set[str]] | None) -> str:
+    """The instance's region; with the catalog, one the price table in use sells nodes in."""
     from coral_dagster.catalog.market import REGION_RE
 
     value = row.get("region")
-    if not isinstance(value, str) or not value or catalog and not REGION_RE.match(value):
+    if not isinstance(value, str) or not value or offers is not None and not REGION_RE.match(value):
         raise CatalogError(where, at, "region", f"{value!r} is not cloud:region on aws or gcp", FIX)
+    if offers is not None and value not in offers:
+        raise CatalogError(where, at, "region", f"{value!r} is not a region of the price table in use",
+                           f"use one of {', '.join(sorted(offers))}, or pass the --prices file the plan was made with")
     return value
+
+
+def _sold(stages: tuple[Stage, ...], region: str, sold: set[str], where: object, at: str) -> None:
+    """Refuse a node whose GPU the catalog lacks, or that `region` does not sell (nothing could launch it)."""
+    from coral_dagster.catalog.gpus import gpu_catalog
+
+    gpus = gpu_catalog()
+    for j, stage in enumerate(stages):
+        for node in stage.nodes:
+            if node.gpu not in gpus:
+                raise CatalogError(where, f"{at}.stages[{j}]", "nodes", f"{node} names GPU {node.gpu!r}, which the "
+                                   "GPU catalog does not have", f"use one of {', '.join(sorted(gpus))}")
+            if str(node) not in sold:
+                raise CatalogError(where, f"{at}.stages[{j}]", "nodes", f"{region} sells no {node} node in the "
+                                   "price table in use", f"use one of {', '.join(sorted(sold))}, another region, or "
+                                   "the --prices file the plan was made with")
 
 
 def _stages(row: Mapping, model: str, where: object, at: str, catalog: bool) -> tuple[Stage, ...]:

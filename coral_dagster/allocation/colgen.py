@@ -162,7 +162,8 @@ def _data(problem: AllocationProblem, columns: Sequence[Column]) -> _Data:
 
 
 def _demand_matrix(problem: AllocationProblem, d: _Data,
-                   targets: Mapping[DemandKey, float] | None = None) -> tuple[list[DemandKey], sparse.csr_matrix]:
+                   targets: Mapping[DemandKey, float] | None = None
+                   ) -> tuple[list[tuple[str, str, str]], sparse.csr_matrix]:
     """C2 over the columns as `ilp.min_cost` writes it, one row per (model, phase, region of the columns): rows
     divided by D_m, coefficients capped at the row's target; an aggregated column serves both phases of its model
     (output tokens to decode, the trace's prompt tokens per output token to prefill). The routing shares are not
@@ -187,13 +188,13 @@ def _demand_matrix(problem: AllocationProblem, d: _Data,
         ratio[agg & (d.model_idx == m)] = problem.prompt_per_output[model]
     rr, cc, vv = [], [], []
     cols = np.arange(n)
-    for phase in (0, 1):
-        target_row = row[d.model_idx, phase] if n else np.zeros(0, dtype=np.int64)
-        for mask, factor in ((d.phase_code == phase, np.ones(n)), (agg, ratio if phase == 0 else np.ones(n))):
+    for code in (0, 1):
+        target_row = row[d.model_idx, code] if n else np.zeros(0, dtype=np.int64)
+        for mask, factor in ((d.phase_code == code, np.ones(n)), (agg, ratio if code == 0 else np.ones(n))):
             ok = mask & (target_row >= 0)
             rr.append(target_row[ok] * n_reg + d.region_idx[ok])
             cc.append(cols[ok])
-            vv.append(d.tokens_per_s[ok] * factor[ok] / demand[d.model_idx[ok], phase])
+            vv.append(d.tokens_per_s[ok] * factor[ok] / demand[d.model_idx[ok], code])
     rows_all = np.concatenate(rr)
     row_keys = [k + (r,) for k in keys for r in d.regions]
     caps = np.array([1.0 if targets is None else targets.get(k[:2], 1.0) for k in row_keys])
@@ -203,7 +204,7 @@ def _demand_matrix(problem: AllocationProblem, d: _Data,
     return row_keys, a_dem
 
 
-def _avail_matrix(d: _Data, split: Sequence[int] | None) -> tuple[list[tuple], sparse.csr_matrix]:
+def _avail_matrix(d: _Data, split: np.ndarray | None) -> tuple[list[tuple], sparse.csr_matrix]:
     """C1 over the columns with its row keys: (region, node), or (group, region, node) when split."""
     n = len(d.price)
     groups = np.asarray(split if split is not None else np.zeros(n), dtype=np.int64)
@@ -432,8 +433,8 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
         mip = ilp.min_cost(problem, columns, targets, time_limit_s=max(0.5, deadline - time.perf_counter()),
                            gap_rel=gap_rel, start=start, max_nodes=max_nodes)
         if mip.status == "no-solution":
-            return _finish(problem, columns, _data(problem, columns), mip, list(range(n)), lp.objective,
-                           np.asarray(lp.values), n, 1, math.inf, None, 1, targets, deadline)
+            return _undecomposed(_finish(problem, columns, _data(problem, columns), mip, list(range(n)), lp.objective,
+                                         np.asarray(lp.values), n, 1, math.inf, None, 1, targets, deadline))
         return MinCostSolve(mip, "optimal", lp.objective, n, 1, n, math.inf)
     d = _data(problem, columns)
     keys, a_dem = _demand_matrix(problem, d)
@@ -445,12 +446,20 @@ def solve_min_cost(problem: AllocationProblem, columns: Sequence[Column],
                   max_nodes=split_nodes)
     if isinstance(done, MinCostSolve) and (done.result.status in ("optimal", "infeasible") or _timed(deadline)):
         return done
-    whole = _solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups,
-                   done if isinstance(done, _SplitBound) else None, start=start_values, max_nodes=max_nodes)
+    whole = _undecomposed(_solve(problem, columns, d, targets, deadline, gap_rel, None, n_groups,
+                                 done if isinstance(done, _SplitBound) else None, start=start_values,
+                                 max_nodes=max_nodes))
     if isinstance(done, MinCostSolve) and done.result.status in ilp.FEASIBLE[1:] and (
             whole.result.status in ("infeasible", "no-solution") or done.result.objective < whole.result.objective):
         return done  # the decomposed plan fits availability and the whole ILP found nothing cheaper in time
     return whole
+
+
+def _undecomposed(done: MinCostSolve | _SplitBound | None) -> MinCostSolve:
+    """The answer of a solve without `split`: only a decomposed one ends with None or a `_SplitBound`."""
+    if not isinstance(done, MinCostSolve):
+        raise RuntimeError(f"a solve without split ended with {done!r}; only a decomposed solve may")
+    return done
 
 
 def _solve(problem: AllocationProblem, columns: Sequence[Column], d: _Data, targets, deadline: float,
@@ -606,7 +615,7 @@ def _rounded(problem: AllocationProblem, d: _Data, lp_values: np.ndarray, target
             cov[csc.indices[csc.indptr[j]:csc.indptr[j + 1]]] += csc.data[csc.indptr[j]:csc.indptr[j + 1]]
     if not _routable(cov, weight, key_model, n_reg):
         return None
-    for j in sorted(np.nonzero(values)[0], key=lambda j: -d.price[j]):
+    for j in sorted(np.nonzero(values)[0].tolist(), key=lambda j: -d.price[j]):
         column = csc[:, j].toarray().ravel()
         while values[j] > 0 and _routable(cov - column, weight, key_model, n_reg):
             values[j] -= 1

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from coral_dagster.allocation.types import Plan
+from coral_dagster.vocab import DEMAND_PHASES
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def regional_supply(plan: Plan) -> dict[tuple[str, str, str], float]:
         tokens = t.tokens_per_s * inst.count
         if t.phase == "aggregated":
             agg[t.model] = agg.get(t.model, 0.0) + tokens
-            for phase in ("prefill", "decode"):
+            for phase in DEMAND_PHASES:
                 out[(t.model, phase, inst.region)] = out.get((t.model, phase, inst.region), 0.0)
         else:
             out[(t.model, t.phase, inst.region)] = out.get((t.model, t.phase, inst.region), 0.0) + tokens

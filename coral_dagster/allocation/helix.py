@@ -34,6 +34,7 @@ from coral_dagster.catalog.nodes import NodeConfig
 
 if TYPE_CHECKING:
     from coral_dagster.allocation.types import Plan
+    from coral_dagster.vocab import SolveStatus
 
 RateFn = Callable[[NodeConfig, int], float]
 
@@ -345,7 +346,7 @@ def helix_plan(scenario, *, time_limit_s: float = 60.0, perf=None, slo_ms: tuple
         instances.append(PlannedInstance(template, region[used[0].node], 1, price))
     demand_req_s = sm.rate_req_s * scenario.headroom
     scale = min(1.0, result.throughput_req_s / demand_req_s) if demand_req_s > 0 else 1.0
-    status = "optimal" if result.status == "optimal" and scale >= 1.0 else (
+    status: SolveStatus = "optimal" if result.status == "optimal" and scale >= 1.0 else (
         "scaled" if scale < 1.0 else "feasible-time-limit")
     notes = [f"helix max flow {result.throughput_req_s:.3f} req/s (bound {result.bound_req_s:.3f}, solver "
              f"{result.status}) over {len(used)} of {len(cluster)} nodes; SLO split k/L per node "

@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence, get_args
 
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
@@ -55,10 +55,18 @@ RawStatus = Literal["optimal", "feasible-work-limit", "feasible-time-limit", "in
 FEASIBLE = ("optimal", "feasible-work-limit", "feasible-time-limit")
 
 
-def unproven(*statuses: str) -> str:
+def unproven(*statuses: str) -> Literal["feasible-work-limit", "feasible-time-limit"]:
     """The status of a plan not proven optimal: `feasible-time-limit` when the wall clock stopped any solve that
     made it (not reproducible), else `feasible-work-limit`."""
     return "feasible-time-limit" if "feasible-time-limit" in statuses else "feasible-work-limit"
+
+
+def _raw_status(status: str) -> RawStatus:
+    """`status` (as `highs.solve_status` reads it) as a RawStatus; any other string is a bug in that reader."""
+    for known in get_args(RawStatus):
+        if status == known:
+            return known
+    raise ValueError(f"solver status {status!r} is none of {get_args(RawStatus)}")
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,9 @@ def warm_solver(start: Mapping, time_limit_s: float, gap_rel: float, partial: bo
     if not isinstance(base, pulp.HiGHS):
         return base
 
-    class WarmHighs(type(base)):
+    highs_class: Any = type(base)  # the PuLP HiGHS subclass `solver` built (PuLP is untyped)
+
+    class WarmHighs(highs_class):
         def callSolver(self, lp):
             import numpy as np
 
@@ -222,7 +232,7 @@ def _row(prob, rows: dict, key: tuple, constraint) -> None:
 
 
 def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
-         rows: Mapping[tuple, object] | None = None, start_values: Sequence[float] | None = None,
+         rows: Mapping[tuple, Any] | None = None, start_values: Sequence[float] | None = None,
          max_nodes: int | None = None) -> SolveResult:
     """Solve and read status, values, objective and bound the same way for every variant; `start_values` (one per
     column) is handed to HiGHS as a first incumbent; `max_nodes` is the MIP's work limit."""
@@ -235,7 +245,8 @@ def _run(prob, columns_vars, time_limit_s: float, gap_rel: float, mip: bool,
         slv = solver(time_limit_s, gap_rel, mip, max_nodes=max_nodes)
     prob.solve(slv)
     solve_s = time.perf_counter() - start
-    status, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
+    read, bound = solve_status(prob, mip and any(v.cat == pulp.LpInteger for v in columns_vars))
+    status = _raw_status(read)
     if status in ("infeasible", "no-solution"):
         return SolveResult(status, (), math.nan, math.nan, solve_s)
     integer = mip and any(v.cat == pulp.LpInteger for v in columns_vars)
@@ -266,7 +277,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
     With `overflow_weight`, C1 becomes elastic (diagnosis only): extra nodes `over_r(c)` may be bought at
     `overflow_weight × p_r(c)` each; their values come back in `overflow` keyed by (region, node).
     With `slack_usd`, C2 becomes elastic (column generation only): unmet demand costs `slack_usd` per unit of
-    D_m; the unmet fraction comes back in `overflow` keyed by demand key.
+    D_m; the unmet fraction comes back in `overflow` keyed by `(model,)`.
     """
     pulp = _pulp()
     cat = pulp.LpInteger if integer else pulp.LpContinuous
@@ -280,9 +291,9 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
                  enumerate(columns)]
     objective += [(v, 1.0) for v in churn.values()]
     prob.setObjective(pulp.LpAffineExpression(objective))
-    rows: dict[tuple, object] = {}
+    rows: dict[tuple, Any] = {}
     # C1 availability
-    over = {}
+    over: dict[tuple, Any] = {}
     for row, terms in _availability_terms(columns, split).items():
         region, node = row[-2:]
         avail = problem.available_nodes.get((region, node), 0)
@@ -296,7 +307,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
     if over:
         prob.setObjective(pulp.LpAffineExpression(objective))
     # C2 demand in each region, C2' routing of every model's requests (an integer solve: shares eliminated)
-    short = {}
+    short: dict[tuple, Any] = {}
     goal = targets if targets is not None else 1.0
     projected = integer and project and slack_usd is None and _projected_demand(prob, rows, problem, columns, nu,
                                                                                 goal)
@@ -304,9 +315,9 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
                                                                  goal)).items():
         expr = [(x, 1.0) for x in by_region.values()]
         if slack_usd is not None:
-            short[model] = prob.add_variable(f"short_{len(short)}", lowBound=0)
-            expr.append((short[model], 1.0))
-            objective.append((short[model], slack_usd))
+            short[(model,)] = prob.add_variable(f"short_{len(short)}", lowBound=0)
+            expr.append((short[(model,)], 1.0))
+            objective.append((short[(model,)], slack_usd))
         _row(prob, rows, ("routing", model), pulp.LpConstraint(pulp.LpAffineExpression(expr), pulp.LpConstraintEQ,
                                                               None, 1.0))
     if short:
@@ -342,7 +353,7 @@ def max_level(problem: AllocationProblem, columns: Sequence[Column], groups: Map
     frac = {g: prob.add_variable(f"frac_{j}", lowBound=fixed.get(g, 0.0), upBound=cap)
             for j, g in enumerate(sorted(groups))}
     prob.setObjective(pulp.LpAffineExpression([(t, 1.0)]))
-    rows: dict[tuple, object] = {}
+    rows: dict[tuple, Any] = {}
     # C1 availability
     for (region, node), terms in _availability_terms(columns).items():
         avail = problem.available_nodes.get((region, node), 0)
@@ -397,7 +408,7 @@ def availability_scale_lp(problem: AllocationProblem, columns: Sequence[Column],
     nu = [prob.add_variable(f"nu_{i}", lowBound=0) for i in range(len(columns))]
     sigma = prob.add_variable("sigma", lowBound=0)
     prob.setObjective(pulp.LpAffineExpression([(sigma, 1.0)]))
-    rows: dict[tuple, object] = {}
+    rows: dict[tuple, Any] = {}
     # C1 availability, scaled by σ
     for (region, node), terms in _availability_terms(columns).items():
         avail = problem.available_nodes.get((region, node), 0)

@@ -12,6 +12,7 @@ from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.templates.engines import runnable
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import DEMAND_PHASES
 
 
 def model_params(scenario: Scenario) -> dict[str, float]:
@@ -82,8 +83,8 @@ def scenario_problem(scenario: Scenario, templates: Sequence[Template], market: 
     prices, avail = offers_from_market(market, scenario.node_configs, scenario.regions)
     rates = dict(rates) if rates is not None else scenario_rates(scenario, demand_mix)
     traces = scenario_traces(scenario)
-    factors = capacity_factors(scenario, rates, boost) if burst_aware else {
-        (m, p): scenario.headroom for m in rates for p in ("prefill", "decode")}
+    factors: dict[tuple[str, str], float] = capacity_factors(scenario, rates, boost) if burst_aware else {
+        (m, p): scenario.headroom for m in rates for p in DEMAND_PHASES}
     return AllocationProblem(
         scenario=scenario.name,
         templates=scenario_templates(scenario, templates),
@@ -106,4 +107,4 @@ def capacity_factors(scenario: Scenario, rates: Mapping[str, float],
 
     caps = scenario_capacity(scenario, rates, boost)
     return {(m, p): max(scenario.headroom, caps[(m, p)].factor) if (m, p) in caps else scenario.headroom
-            for m in rates for p in ("prefill", "decode")}
+            for m in rates for p in DEMAND_PHASES}

@@ -17,12 +17,18 @@ def plan_coral(problem: AllocationProblem, scarcity_mode: Scarcity | None, time_
                max_nodes: int | None) -> Plan:
     """Coral's plan, never dearer than the Homo-ILP plan on the same inputs (its library contains every
     homogeneous template): that plan, made under the same limits, is one of the solve's incumbents. Under
-    scarcity there is none (Homo-ILP's plan would serve other levels)."""
+    scarcity, Homo-ILP's plan under the same mode: Coral's never serves less, nor costs more serving as much."""
     try:
         homo = plan_homo_ilp(problem, time_limit_s=time_limit_s, gap_rel=gap_rel, max_nodes=max_nodes,
                              diagnose=False)
     except CoralError:  # demand cannot be met (or no plan within the limits): nothing to start from
         homo = None
+    if homo is None and scarcity_mode is not None:
+        try:
+            homo = plan_homo_ilp(problem, scarcity_mode=scarcity_mode, time_limit_s=time_limit_s,
+                                 gap_rel=gap_rel, max_nodes=max_nodes, diagnose=False)
+        except CoralError:
+            homo = None
     plan = solve_plan(problem, scarcity_mode=scarcity_mode, time_limit_s=time_limit_s, gap_rel=gap_rel,
                       max_nodes=max_nodes, incumbents={"the Homo-ILP plan": homo})
     if homo is None:

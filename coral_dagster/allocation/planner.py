@@ -13,7 +13,7 @@ from coral_dagster.allocation.prune import Column, prune_columns
 from coral_dagster.allocation.types import AdmissionLimits, Bottleneck, PlannedInstance, Plan, Scarcity
 from coral_dagster.catalog.scenarios import ScenarioModel
 from coral_dagster.errors import CoralError, InfeasibleError, SolverTimeoutError
-from coral_dagster.vocab import Method, SolveStatus
+from coral_dagster.vocab import DEMAND_PHASES, DemandPhase, Method, SolveStatus
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, nodes_explored
 
 # An incumbent plan counts as meeting demand when every model's routed share is within this of 1 (HiGHS's
@@ -70,10 +70,23 @@ def _instances(columns: Sequence[Column], values: Sequence[float]) -> list[Plann
     return [PlannedInstance(c.template, c.region, int(v), c.usd_per_hour) for c, v in zip(columns, values) if v > 0]
 
 
+def _refuse_unmet_slo(problem: AllocationProblem, missing: Sequence[DemandKey]) -> None:
+    """Raise when a key lacks columns because no template meets its SLO on the scenario's nodes at all: then no
+    availability helps, and the diagnosis (which speaks of availability) would point the wrong way."""
+    kinds = {(t.model, p) for t in problem.templates for p in (DEMAND_PHASES if t.phase == "aggregated"
+                                                                 else (t.phase,))}
+    unmet = [k for k in missing if k not in kinds]
+    if unmet:
+        what = "; ".join(f"{m} {p} ({p}_slo_ms)" for m, p in unmet)
+        raise InfeasibleError(f"no template on the scenario's nodes meets the SLO of {what}, so no availability "
+                              "can meet that demand.", "raise that SLO in the scenario file, or add faster GPUs (or "
+                              "more nodes per template: `gpus_per_node`, `templates: {n_max}`) to it.")
+
+
 def unserved_keys(problem: AllocationProblem, columns: Sequence[Column]) -> list[DemandKey]:
     """Demand keys no column can serve at all."""
     kinds = {(c.template.model, c.template.phase) for c in columns}
-    covered = {(m, p) for m, ph in kinds for p in (("prefill", "decode") if ph == "aggregated" else (ph,))}
+    covered = {(m, p) for m, ph in kinds for p in (DEMAND_PHASES if ph == "aggregated" else (ph,))}
     return [k for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0 and k not in covered]
 
 
@@ -114,6 +127,8 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     of `incumbents` (name -> plan on the same problem, e.g. the Homo-ILP plan) whose instances meet demand start
     the solve (the cheapest as HiGHS's first incumbent, their columns kept through pruning), and the cheapest of
     them is returned whenever the solve ends with nothing cheaper, its status saying the solve was cut short.
+    Under scarcity, never serving less than an incumbent made under the same mode, nor at equal service costing
+    more (`scarcity.never_serves_less`).
     When demand cannot be met: with no `scarcity_mode`, raise InfeasibleError naming the models and node
     configurations that bind (`diagnose`: False skips naming them); with `scale`, serve the largest common fraction
     of every model's demand; with `fair`, the max-min fair fractions; either way at least cost for what is served.
@@ -133,6 +148,8 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     notes = [f"columns: {report.columns_before} (template, region) pairs -> {report.columns_after} after pruning "
              f"({report.not_sold} not sold, {report.no_demand} without demand, {report.dominated} dominated)"]
     missing = unserved_keys(problem, columns)
+    if missing and scarcity_mode is None:
+        _refuse_unmet_slo(problem, missing)
     wanted = any(d > 0 for d in problem.demand_tokens_per_s.values())
     if not wanted:
         return build_plan(problem, method, "optimal", [], lp_bound=0.0, mip_bound=0.0,
@@ -142,8 +159,8 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     feasible_lp = False
     if not missing:
         t0 = time.perf_counter()
-        found = {name: incumbent_counts(problem, columns, counts) for name, counts in given.items()}
-        found = {name: v for name, v in found.items() if v is not None}
+        candidates = {name: incumbent_counts(problem, columns, counts) for name, counts in given.items()}
+        found = {name: v for name, v in candidates.items() if v is not None}
         best_name = min(found, key=lambda name: (found[name][1], name)) if found else None
         for name, (_, obj) in sorted(found.items()):
             notes.append(f"incumbent: {name}, {obj:.2f} $/h (the plan is never dearer)")
@@ -214,20 +231,25 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     every = reach.statuses + [cg.result.status, solved]
     proven = _bounded(problem, columns, values, solved, targets, cg.result.bound, notes, timings, max_nodes,
                       time_limit_s)
-    return build_plan(problem, method, status, _instances(columns, values),
+    plan = build_plan(problem, method, status, _instances(columns, values),
                       lp_bound=cg.lp_objective, mip_bound=proven, solve_s=time.perf_counter() - start,
                       demand_scale=scale, notes=_limit_notes(notes, ilp.unproven(*every), limits),
                       bottlenecks=diag.bottlenecks, pruning=report.as_dict(), timings=timings,
                       work_nodes=nodes_explored() - nodes_before)
+    # Under scarcity an incumbent made under the same mode (e.g. the Homo-ILP plan) bounds what is served.
+    for name, other in sorted((incumbents or {}).items()):
+        if other is not None and other.status == status:
+            plan = scarcity.never_serves_less(plan, other, name)
+    return plan
 
 
 def _searched(problem: AllocationProblem, columns: Sequence[Column], values: Sequence[float], status: str,
               targets: Mapping[DemandKey, float] | None, notes: list[str], timings: dict[str, float],
-              max_nodes: int | None, time_limit_s: float) -> tuple[Sequence[float], str]:
+              max_nodes: int | None, time_limit_s: float) -> tuple[Sequence[float], SolveStatus]:
     """Counts a solve left unproven, improved by large-neighbourhood search (`lns`), and their status: the search
     keeps the solve's limits, so a wall-clock stop in it makes the plan unreproducible too."""
     if status == "optimal":
-        return values, status
+        return values, "optimal"
     t0 = time.perf_counter()
     found = lns.improve(problem, columns, values, lambda v: _objective(problem, columns, v), targets,
                         max_nodes=max_nodes, time_limit_s=time_limit_s)
@@ -286,15 +308,17 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
     only overload sustained past them. A second bucket refills at the request rate the plan's capacity carries (the
     rate times the least served share × capacity factor over the phases), as deep as that thinned trace needs
     against it, but no deeper, and if need be refilling slower, than lets what the buckets admit of the whole trace
-    keep the capacity rule's target (`capacity.peak_bucket`): a bucket admits a burst's head whole, so an admitted
-    burst must arrive no faster, and queue no longer, than the plan serves it within its SLO."""
+    keep the capacity rule's target, and never so shallow that it sheds more than 2% of what the first bucket
+    passes, so the model gets the share the plan promises (`capacity.peak_bucket`): a bucket admits a burst's head
+    whole, so an admitted burst must arrive no faster, and queue no longer, than the plan serves it within its
+    SLO."""
     from coral_dagster.allocation.capacity import admission_depth_req, peak_bucket
 
     served = plan.served_fraction()
     described = {m.model: m for m in models}
     admit, depth, peak = {}, {}, {}
     for model, rate in rates.items():
-        share = min([served.get((model, p), 1.0) for p in ("prefill", "decode")])
+        share = min([served.get((model, p), 1.0) for p in DEMAND_PHASES])
         if share < 1.0 - 1e-9:
             admit[model] = rate * share
             m = described.get(model)
@@ -302,10 +326,11 @@ def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[Scen
                 rate, share = float(rate), float(share)
                 depth[model] = admission_depth_req(m.trace, rate, share, rate * share)
                 capacity = {p: served.get((model, p), 1.0) * plan.admission.capacity_factors.get((model, p), 1.0)
-                            for p in ("prefill", "decode")}
+                            for p in DEMAND_PHASES}
                 carried = rate * min(capacity.values())
-                phases = ((p, float(slo), capacity[p]) for p, slo in (("prefill", m.prefill_slo_ms),
-                                                                     ("decode", m.decode_slo_ms)))
+                slos: tuple[tuple[DemandPhase, float], ...] = (("prefill", m.prefill_slo_ms),
+                                                               ("decode", m.decode_slo_ms))
+                phases = ((p, float(slo), capacity[p]) for p, slo in slos)
                 peak[model] = peak_bucket(m.trace, rate, rate * share, depth[model], carried,
                                           admission_depth_req(m.trace, rate, share, carried), tuple(phases),
                                           float(m.slo_margin), float(m.attainment_target))

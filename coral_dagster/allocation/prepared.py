@@ -114,9 +114,9 @@ def planning_templates(store, scenario: Scenario, market: MarketSnapshot,
     key = prepared_key(store, scenario, market)
     if key is None:
         return ()
-    survivors = load_survivors(store, scenario, key, running)
-    if survivors is not None:
-        survivors = tuple(survivors)
+    found = load_survivors(store, scenario, key, running)
+    if found is not None:
+        survivors = tuple(found)
         # Planning selects from this tuple and prepares the selection (both memoised by identity): prepare it now
         # without the dominance search the stored survivors already passed.
         prepare(scenario_templates(scenario, survivors), undominated=True)

@@ -62,7 +62,8 @@ class PruneReport:
 def _vectors(group: list[Template]) -> tuple[list[tuple[int, ...]], dict[tuple[int, ...], float]]:
     nodes = sorted({n for t in group for n, _ in t.nodes.counts})
     col = {n: i for i, n in enumerate(nodes)}
-    vecs, own = [], {}
+    vecs: list[tuple[int, ...]] = []
+    own: dict[tuple[int, ...], float] = {}
     for t in group:
         v = [0] * len(nodes)
         for n, k in t.nodes.counts:
@@ -72,7 +73,7 @@ def _vectors(group: list[Template]) -> tuple[list[tuple[int, ...]], dict[tuple[i
     return vecs, own
 
 
-def dominated_ids(templates: tuple[Template, ...] | list[Template], keep: set[str] = frozenset(), *,
+def dominated_ids(templates: tuple[Template, ...] | list[Template], keep: set[str] | frozenset[str] = frozenset(), *,
                   exhaustive: bool = True) -> set[str]:
     """Template ids dominated by another of the same (model, phase, SLO); ids in `keep` are never returned.
 
@@ -223,14 +224,14 @@ def prune_columns(problem: AllocationProblem, *, prune_dominated: bool = True,
     for region in problem.regions:
         cost, cap = region_caps(lib, problem.usd_per_hour, problem.available_nodes, region)
         fits = cap > 0
-        keep = fits & useful & ~drop
+        survive = fits & useful & ~drop
         not_sold += int((~fits).sum())
         no_demand += int((fits & ~useful).sum())
         n_dominated += int((fits & useful & drop).sum())
-        for i in np.nonzero(keep)[0]:
+        for i in np.nonzero(survive)[0]:
             columns.append(Column(lib.templates[i], region, float(cost[i]), int(cap[i]),
                                   running.get((lib.ids[i], region), 0), int(i)))
-        per_region.append((region, n, int(keep.sum())))
+        per_region.append((region, n, int(survive.sum())))
     report = PruneReport(templates=n, columns_before=n * len(per_region), not_sold=not_sold, no_demand=no_demand,
                          dominated=n_dominated, columns_after=len(columns), per_region=tuple(per_region),
                          dominance_rule=lib.dominance_rule)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Mapping, Sequence
 
 from coral_dagster.allocation import colgen, ilp
 from coral_dagster.allocation.problem import AllocationProblem, DemandKey
 from coral_dagster.allocation.prune import Column
-from coral_dagster.allocation.types import Bottleneck
+from coral_dagster.allocation.types import Bottleneck, Plan
 
 # Extra nodes cost this many times their price in the diagnosis, so the fewest extra dollars come first.
 OVERFLOW_WEIGHT = 1000.0
@@ -212,3 +212,36 @@ def uniform_note(levels: Mapping[str, float], bound: float = math.nan) -> str:
 
 def _targets(problem: AllocationProblem, levels: Mapping[str, float]) -> dict[DemandKey, float]:
     return {k: levels[k[0]] for k, d in sorted(problem.demand_tokens_per_s.items()) if d > 0}
+
+
+def served_levels(plan: Plan) -> tuple[float, ...]:
+    """Each model's served share of its requests (`goodput.fluid_goodput`: both phases in one region), ascending:
+    max-min fairness compares plans by these, least first (a uniform plan's least level is its level)."""
+    from coral_dagster.allocation.goodput import fluid_goodput
+
+    return tuple(sorted(fluid_goodput(plan).per_model.values()))
+
+
+def serves_more(a: Plan, b: Plan) -> bool:
+    """Whether plan `a` serves more than plan `b` in the max-min order of their `served_levels` (beyond TOL)."""
+    for x, y in zip(served_levels(a), served_levels(b)):
+        if abs(x - y) > TOL:
+            return x > y
+    return False
+
+
+def never_serves_less(plan: Plan, other: Plan | None, name: str) -> Plan:
+    """`plan`, or `other` (named `name`, e.g. the Homo-ILP plan under the same scarcity mode: a plan over a subset
+    of the library) where that serves more in the max-min order, or as much for less: a scarcity plan never
+    serves less than a plan it contains, and at equal service never costs more."""
+    if other is None or not other.instances:
+        return plan
+    if serves_more(other, plan):
+        why = "serves more (" + ", ".join(f"{x:.1%}" for x in served_levels(other)) + " against " + \
+            ", ".join(f"{x:.1%}" for x in served_levels(plan)) + ")"
+    elif not serves_more(plan, other) and other.cost_usd_per_hour < plan.cost_usd_per_hour - TOL:
+        why = f"serves as much for less ({other.cost_usd_per_hour:.2f} against {plan.cost_usd_per_hour:.2f} $/h)"
+    else:
+        return plan
+    return replace(other, method=plan.method, scenario=plan.scenario, solve_s=plan.solve_s + other.solve_s,
+                   notes=tuple(plan.notes) + (f"{name} {why}: that plan is returned",))

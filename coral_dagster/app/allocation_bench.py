@@ -26,7 +26,7 @@ import statistics
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 from coral_dagster.allocation.demand import window_rates
 from coral_dagster.allocation.baselines import homogeneous_problem
@@ -36,7 +36,7 @@ from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, sc
 from coral_dagster.allocation.methods import ALLOCATION_METHODS, make_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import PruneReport, prune_columns
-from coral_dagster.allocation.types import Plan
+from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.templates.types import Template
@@ -129,12 +129,13 @@ def _num(x: float) -> float | None:
 
 
 def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig, goodput: GoodputEstimator,
-                 scarcity_mode=None, extra: dict | None = None,
+                 scarcity_mode: Scarcity | None = None, extra: dict | None = None,
                  simulated: GoodputEstimator | None = None) -> list[dict]:
     rows = []
     for method in config.methods:
         try:
-            mode, note = scarcity_mode, None
+            mode: Scarcity | None = scarcity_mode
+            note: str | None = None
             try:
                 plan = make_plan(problem, method, scarcity_mode=mode,
                                  time_limit_s=config.time_limit_s.get(scenario.name, 30.0))
@@ -175,7 +176,8 @@ def replan_rows(scenario: Scenario, templates: Sequence[Template], config: Bench
     rates = scenario_rates(scenario)
     windows = window_rates(rates, scenario_traces(scenario), config.replan_window_min, config.replan_horizon_min)
     market = scenario.market()
-    summary, detail = [], []
+    summary: list[dict[str, Any]] = []
+    detail: list[dict] = []
     for method in config.methods:
         running: dict = {}
         costs, solves, gaps, launched, torn_down, statuses, fractions, sim_fractions = [], [], [], 0, 0, [], [], []
@@ -237,14 +239,15 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
     hplan, hres = helix_plan(scenario, time_limit_s=config.helix_time_limit_s, market=market)
     templates = templates_for(scenario)
     problem = scenario_problem(scenario, templates, market)
-    out = {"slo_ms": {"prefill": scenario.models[0].prefill_slo_ms, "decode": scenario.models[0].decode_slo_ms},
-           "cluster_nodes": sum(o.available_nodes for o in market.offers),
-           "cluster_usd_per_hour": sum(o.usd_per_hour * o.available_nodes for o in market.offers),
-           "helix": {"status": hres.status, "throughput_req_s": hres.throughput_req_s,
-                     "bound_req_s": hres.bound_req_s, "solve_s": hres.solve_s,
-                     "cost_usd_per_hour": hplan.cost_usd_per_hour,
-                     "nodes_used": sum(1 for n in hres.nodes if n.used and n.flow_req_s > 1e-9)},
-           "templates": len(problem.templates)}
+    out: dict[str, Any] = {
+        "slo_ms": {"prefill": scenario.models[0].prefill_slo_ms, "decode": scenario.models[0].decode_slo_ms},
+        "cluster_nodes": sum(o.available_nodes for o in market.offers),
+        "cluster_usd_per_hour": sum(o.usd_per_hour * o.available_nodes for o in market.offers),
+        "helix": {"status": hres.status, "throughput_req_s": hres.throughput_req_s,
+                  "bound_req_s": hres.bound_req_s, "solve_s": hres.solve_s,
+                  "cost_usd_per_hour": hplan.cost_usd_per_hour,
+                  "nodes_used": sum(1 for n in hres.nodes if n.used and n.flow_req_s > 1e-9)},
+        "templates": len(problem.templates)}
     try:
         coral = make_plan(problem, "coral", time_limit_s=config.helix_time_limit_s)
         out["coral_min_cost"] = plan_row("helix", scenario.name, coral, goodput, scenario.headroom)
@@ -412,3 +415,19 @@ def bench_tables(doc: dict) -> list[tuple[str, pd.DataFrame]]:
         tables.append((f"re-planning every {window:g} min over {horizon:g} min",
                        pd.DataFrame(doc["replan"]).reindex(columns=list(REPLAN_COLUMNS))))
     return tables
+
+
+def write_bench(doc: dict, out_path: str) -> str:
+    """The bench's JSON document written to `out_path` and its plot beside it (same name, .png); the plot's
+    path."""
+    import json
+    from pathlib import Path
+
+    from coral_dagster.files import make_dir, write_file
+    from coral_dagster.plots import bench_png
+
+    out = Path(out_path)
+    make_dir(out.parent, "pass another --out path")
+    write_file(out, json.dumps(doc, indent=2, default=str), fix="pass another --out path")
+    write_file(out.with_suffix(".png"), bench_png(doc), fix="pass another --out path")
+    return str(out.with_suffix(".png"))

@@ -12,7 +12,9 @@ import pandas as pd
 from coral_dagster.allocation.types import Plan
 from coral_dagster.deploy.cost import DeploymentCost
 from coral_dagster.deploy.dry_run import DryRun
+from coral_dagster.deploy import state as state
 from coral_dagster.deploy.reconcile import Diff, ReconcileReport
+from coral_dagster.deploy.spec import GPU_ROLES as GPU_ROLES
 from coral_dagster.errors import CoralError
 from coral_dagster.store.duck import Store
 
@@ -72,7 +74,7 @@ class Deployment:
 
 
 def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None = None,
-           drain_timeout_s: float = 600.0, retry_until_up: bool = False) -> Deployment:
+           drain_timeout_s: float = 600.0, retry_until_up: bool = False, plain_http: bool = False) -> Deployment:
     """Deploy `plan` (its own `plan_id`), priced from its own snapshot: a dry run writes the diff against the
     recorded deployment as task YAMLs and commands into `out` (default `default_out`); otherwise reconcile through
     SkyPilot, draining removed instances for up to `drain_timeout_s`. Instances run on the plan's engine
@@ -87,20 +89,22 @@ def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None =
     prices, source = snapshot_prices(store, plan)
     cost = deployment_cost(plan, plan.plan_id, prices, source)
     if dry_run:
-        diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices, engine)
+        diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices, engine, plain_http)
         folder = out or default_out(plan.plan_id)
         return Deployment(plan, source, cost, diff=diff, dry=write_dry_run(diff, folder), out=folder)
     from coral_dagster.deploy.drain import CoordinatorDrainer
     from coral_dagster.deploy.sky_adapter import SkyLauncher
 
     report = reconcile(plan, plan.plan_id, store, SkyLauncher(retry_until_up=retry_until_up), CoordinatorDrainer(),
-                       prices, drain_timeout_s, engine)
+                       prices, drain_timeout_s, engine, plain_http)
     return Deployment(plan, source, cost, report=report, url=endpoint(state.read_nodes(store)))
 
 
 def endpoint(nodes: pd.DataFrame) -> str | None:
     """The OpenAI base URL of the live coordinator among the recorded nodes, or None when none is up."""
-    from coral_dagster.deploy.tasks import http_url
+    from coral_dagster.deploy.tasks import HTTPS_SCHEME, PLAIN_SCHEME, http_url
 
     up = nodes[(nodes.role == "coordinator") & (nodes.status == "launched") & nodes.address.notna()]
-    return http_url(up.address.iloc[0]) if len(up) else None
+    # A coordinator row's phase holds the scheme it serves; older rows (empty) served plain HTTP.
+    return http_url(up.address.iloc[0], HTTPS_SCHEME if up.phase.iloc[0] == HTTPS_SCHEME else PLAIN_SCHEME) \
+        if len(up) else None

@@ -9,11 +9,11 @@ from pathlib import Path
 import pandas as pd
 
 from coral_dagster.allocation.problem import AllocationProblem
-from coral_dagster.allocation.storage import load_plan
+from coral_dagster.allocation.storage import load_plan as load_plan
 from coral_dagster.allocation.types import Plan
-from coral_dagster.catalog.scenarios import Scenario, load_scenario
+from coral_dagster.catalog.scenarios import Scenario, load_scenario, scenario_names as scenario_names
 from coral_dagster.errors import CoralError
-from coral_dagster.store.duck import Store
+from coral_dagster.store.duck import Store as Store
 
 LATEST = "latest"
 
@@ -43,11 +43,13 @@ def find_plan(store: Store, scenario: Scenario | str, method: str = "coral") -> 
 
 
 def _inputs(store: Store, plan: Plan) -> dict:
-    """What `coral plan` recorded it was asked for (scenario file, engine, …); empty for an unstored plan."""
-    if plan.plan_id and "plans" in store.tables():
-        rows = store.query("SELECT inputs_json FROM plans WHERE plan_id = ?", [plan.plan_id])
-        return json.loads(rows["inputs_json"].iloc[0]) if not rows.empty else {}
-    return {}
+    """What the plan recorded it was asked for and made from (`app.make_plan.plan_inputs`: scenario file, engine,
+    …; old rows read in that shape); every field None for an unstored plan."""
+    from coral_dagster.app.make_plan import read_inputs
+
+    rows = store.query("SELECT inputs_json FROM plans WHERE plan_id = ?", [plan.plan_id]) \
+        if plan.plan_id and "plans" in store.tables() else None
+    return read_inputs(json.loads(rows["inputs_json"].iloc[0]) if rows is not None and not rows.empty else {})
 
 
 def plan_engine(store: Store, plan: Plan) -> str:

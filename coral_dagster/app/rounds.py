@@ -2,29 +2,19 @@
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
 import pandas as pd
 
 from coral_dagster.allocation.capacity import ATTAINMENT_WINDOW_S
-from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_traces
-from coral_dagster.allocation.methods import make_plan
-from coral_dagster.allocation.planner import with_admission
-from coral_dagster.allocation.prepared import planning_templates
+from coral_dagster.allocation.inputs import scenario_rates, scenario_traces
 from coral_dagster.allocation.problem import AllocationProblem
-from coral_dagster.allocation.storage import store_plan
-from coral_dagster.app.closed_loop import held_plan
-from coral_dagster.app.plans import find_plan
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario
-from coral_dagster.catalog.store import latest_snapshot
-from coral_dagster.errors import CoralError
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.store.duck import Store, newest_snapshot, write_frame
 from coral_dagster.store.views import create_views
-from coral_dagster.templates.library import load_library
 
 
 def demand_rates(scenario: Scenario, demand_mix: str = "uniform", follow_trace: bool = False,
@@ -81,35 +71,13 @@ def plan_round(store: Store, scenario: Scenario, method: str = "coral", *, scarc
     per model only the request rate it serves (`admit_req_s`). The plan is written in one transaction; a failure
     writes nothing. `max_nodes` is each MIP's work limit (the plan is the same on any machine), `time_limit_s` the
     wall-clock safety net."""
-    running = find_plan(store, scenario, method)
-    demand_id, rates = latest_demand(store, scenario)
-    snapshot = latest_snapshot(store, scenario)
-    # Coral reads only what pruning keeps under the snapshot, stored once (`allocation.prepared`); the baselines
-    # read the whole library.
-    templates = (planning_templates(store, scenario, snapshot, [k[0] for k in running.counts()] if running else ())
-                 if method == "coral" else load_library(store, scenario))
-    if not templates:
-        raise CoralError(f"no templates of scenario {scenario.name} are stored in {store.path}.",
-                         "materialize `template_library` (every model partition) or run "
-                         f"`coral templates build --scenario {scenario.name}`.")
+    from coral_dagster.app.make_plan import PlanRequest, make_plan
 
-    def problem_for(boost):
-        return scenario_problem(scenario, templates, snapshot, rates=rates,
-                                running=running.counts() if running else None, boost=boost)
-
-    def make(boost):
-        return with_admission(make_plan(problem_for(boost), method, scarcity_mode=scarcity,
-                                        time_limit_s=time_limit_s, max_nodes=max_nodes), rates, scenario.models)
-
-    problem = problem_for({})
-    plan = held_plan(make, scenario, rates, loop=closed_loop, rounds=loop_rounds, window_s=loop_window_s)
-    inputs = {"scenario_path": scenario.path, "demand_id": demand_id, "snapshot_id": problem.snapshot_id,
-              "templates": len(templates),
-              "running_plan": running.plan_id if running else None, "scarcity": scarcity,
-              "closed_loop": closed_loop, "max_nodes": max_nodes, "time_limit_s": time_limit_s}
-    plan = store_plan(store, plan, run_id or uuid.uuid4().hex, inputs)
+    made = make_plan(PlanRequest(scenario, method, scarcity=scarcity, time_limit_s=time_limit_s,
+                                 closed_loop=closed_loop, loop_rounds=loop_rounds, loop_window_s=loop_window_s,
+                                 max_nodes=max_nodes, from_store=True, save=True, run_id=run_id), store)
     create_views(store)
-    return PlanRound(plan.plan_id, plan, problem, demand_id)
+    return PlanRound(made.plan.plan_id, made.plan, made.problem, made.inputs["demand_id"])
 
 
 def plan_by_model_region(plan: Plan) -> pd.DataFrame:
@@ -123,7 +91,7 @@ def plan_by_model_region(plan: Plan) -> pd.DataFrame:
 
 def store_model_templates(store: Store, scenario: Scenario, model: str, templates) -> int:
     """Replace one model's templates in the scenario's stored library (the others stay); returns its count."""
-    from coral_dagster.templates.library import store_library
+    from coral_dagster.templates.library import load_library, store_library
 
     others = [t for t in load_library(store, scenario) if t.model != model]
     store_library(store, others + list(templates), scenario)

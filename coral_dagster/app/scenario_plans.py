@@ -1,17 +1,17 @@
-"""Plan one bundled scenario end to end: its template library, today's market, the demand mix and a method."""
+"""One solve of a scenario for the benches (`app.make_plan.solve_once` on its library, today's market and the demand
+mix), and the scenario's template library, built when the store lacks it."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Mapping, Sequence
 
-from coral_dagster.allocation.inputs import scenario_problem, scenario_rates, scenario_templates
-from coral_dagster.allocation.planner import with_admission
-from coral_dagster.allocation.methods import make_plan
+from coral_dagster.allocation.inputs import scenario_rates, scenario_templates
 from coral_dagster.allocation.types import Plan, Scarcity
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import DEMAND_PHASES
 
 
 def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[Template, ...]:
@@ -32,7 +32,7 @@ def library_templates(scenario: Scenario, db_path: str | None = None) -> tuple[T
 def _covers(scenario: Scenario, templates: Sequence[Template]) -> bool:
     """Whether every model and phase of the scenario has a template at its SLO (whichever engine runs them)."""
     kinds = {(t.model, t.phase) for t in scenario_templates(replace(scenario, engine="coral"), templates)}
-    return all((m.model, p) in kinds for m in scenario.models for p in ("prefill", "decode"))
+    return all((m.model, p) in kinds for m in scenario.models for p in DEMAND_PHASES)
 
 
 def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availability_scale: float = 1.0,
@@ -44,17 +44,12 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
     it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
     replaces the scenario's bundled snapshot scaled by `availability_scale`; `max_nodes` is each MIP's work limit,
     `time_limit_s` the wall-clock safety net."""
+    from coral_dagster.app.make_plan import solve_once
+
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
     market = market or scn.market(availability_scale=availability_scale)
-    if method == "helix":
-        from coral_dagster.allocation.helix import helix_plan
-
-        return helix_plan(scn, time_limit_s=time_limit_s, market=market)[0]
-    if templates is None:
+    if templates is None and method != "helix":
         templates = library_templates(scn, db_path)
-    problem = scenario_problem(scn, templates, market, demand_mix=demand_mix,
-                               running=running.counts() if running else None, burst_aware=burst_aware,
-                               boost=boost)
-    return with_admission(make_plan(problem, method, scarcity_mode=scarcity, time_limit_s=time_limit_s,
-                                    max_nodes=max_nodes),
-                          scenario_rates(scn, demand_mix), scn.models)
+    return solve_once(scn, method, templates, market, scenario_rates(scn, demand_mix), running=running,
+                      scarcity=scarcity, time_limit_s=time_limit_s, max_nodes=max_nodes, boost=boost,
+                      burst_aware=burst_aware)

@@ -77,7 +77,7 @@ def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: 
                            f"give {name} a value of that type")
     if isinstance(value, float) and not math.isfinite(value):
         raise CatalogError(path, idx, name, f"{value!r} is not a finite number", f"give {name} a finite number")
-    if positive and value <= 0:
+    if positive and not (isinstance(value, (int, float)) and value > 0):
         raise CatalogError(path, idx, name, f"{value!r} must be positive", f"give {name} a value above 0")
     return value
 

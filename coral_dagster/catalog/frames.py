@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict
+from typing import Callable
 
 import pandas as pd
 
@@ -16,11 +17,12 @@ def gpus_frame() -> pd.DataFrame:
     return pd.DataFrame([asdict(g) for g in gpu_catalog().values()])
 
 
-def nodes_frame() -> pd.DataFrame:
-    """One row per node configuration that some bundled region sells, with memory, network and price range."""
+def nodes_frame(prices: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per node configuration that some bundled region sells, with memory, network and price range (from
+    `prices`, default: the price table in use)."""
     from coral_dagster.catalog.prices import load_node_prices
 
-    prices = load_node_prices()
+    prices = load_node_prices() if prices is None else prices
     rows = []
     for gpu in gpu_catalog():
         for count in GPUS_PER_NODE:
@@ -52,11 +54,12 @@ def models_frame() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def prices_frame() -> pd.DataFrame:
-    """One row per (region, node configuration) sold, with on-demand and spot $/node-hour."""
+def prices_frame(prices: pd.DataFrame | None = None) -> pd.DataFrame:
+    """One row per (region, node configuration) sold, with on-demand and spot $/node-hour (`prices`, default: the
+    price table in use)."""
     from coral_dagster.catalog.prices import load_node_prices
 
-    return load_node_prices().copy()
+    return (load_node_prices() if prices is None else prices).copy()
 
 
 def scenarios_frame() -> pd.DataFrame:
@@ -71,5 +74,8 @@ def scenarios_frame() -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-CATALOG_FRAMES = {"gpus": gpus_frame, "nodes": nodes_frame, "models": models_frame, "prices": prices_frame,
-                  "scenarios": scenarios_frame}
+#: The catalogs priced from the price table (they take it as `prices`).
+PRICED_FRAMES = ("nodes", "prices")
+CATALOG_FRAMES: dict[str, Callable[..., pd.DataFrame]] = {
+    "gpus": gpus_frame, "nodes": nodes_frame, "models": models_frame, "prices": prices_frame,
+    "scenarios": scenarios_frame}

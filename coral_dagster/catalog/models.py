@@ -151,9 +151,12 @@ def _parse(row: dict, path: Path, i: int) -> ModelSpec:
             "n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab")},
         **{k: field(row, k, bool, path, i) for k in (
             "tie_embeddings", "attention_bias", "qk_norm", "attention_sinks", "moe_bias")},
-        **{k: _count(row, k, path, i) for k in (
-            "n_experts", "n_active_experts", "expert_intermediate", "n_shared_experts", "sliding_window",
-            "n_sliding_layers")},
+        n_experts=_count(row, "n_experts", path, i),
+        n_active_experts=_count(row, "n_active_experts", path, i),
+        expert_intermediate=_count(row, "expert_intermediate", path, i),
+        n_shared_experts=_count(row, "n_shared_experts", path, i),
+        sliding_window=_count(row, "sliding_window", path, i),
+        n_sliding_layers=_count(row, "n_sliding_layers", path, i),
         dtype=dtype,
         expert_bytes_per_param=field(row, "expert_bytes_per_param", float, path, i, positive=True),
         published_params=field(row, "published_params", float, path, i, positive=True),

@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -235,9 +236,11 @@ def _gcp_host_carries(instance_type: str) -> list[tuple[str, int]]:
 
 def _gcp_zone_rows(path: Path, rejects: _Rejects) -> pd.DataFrame:
     """One usable row per GCP (host VM + accelerator) pair in one zone, priced as their sum."""
-    hosts, accels = [], []
+    hosts: list[dict[str, Any]] = []
+    accels: list[dict[str, Any]] = []
     for r in _read_rows(path).itertuples(index=False):
         carries: list[tuple[str, int]] = []
+        reason: str | None
         if r.InstanceType and r.AcceleratorName:
             reason = "host row with an accelerator attached: GCP rows list hosts and accelerators apart"
         elif r.AcceleratorName:
@@ -361,7 +364,8 @@ def _user_prices(path: Path, _mtime_ns: int, _size: int) -> pd.DataFrame:
     if missing:
         raise CatalogError(path, 1, missing[0], f"column(s) {', '.join(missing)} missing from the header",
                            "write the header " + ",".join(USER_PRICE_COLUMNS) + "[,spot_usd_per_hour]")
-    rows, seen = [], {}
+    rows: list[dict[str, Any]] = []
+    seen: dict[tuple[str, str], int] = {}
     for i, r in enumerate(df.to_dict("records")):
         line = i + 2
         r = {k: str(v).strip() for k, v in r.items()}

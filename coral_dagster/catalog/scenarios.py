@@ -23,13 +23,15 @@ from coral_dagster.vocab import SERVING_ENGINES, T_HAT_RULE_NAMES, T_HAT_RULE_VE
 TRACES = ("azure-conv", "azure-code")
 SCENARIO_SUFFIXES = (".yaml", ".yml")
 TOP_KEYS = frozenset({"name", "description", "regions", "gpus", "gpus_per_node", "nodes", "link_gbps", "models", "engine",
-                      "availability", "templates", "allocation"})
+                      "availability", "templates", "allocation", "day"})
 MODEL_KEYS = frozenset({"model", "base", "prefill_slo_ms", "decode_slo_ms", "trace", "rate_req_s", "attainment_target"})
 TEMPLATE_KEYS = frozenset({"n_max", "rho", "slo_margin", "t_hat_rule"})
 AVAILABILITY_KEYS = frozenset({"profile", "default_nodes", "base_nodes", "gpu_factors", "size_factors", "nodes",
                                "series"})
 SERIES_KEYS = frozenset({"window_min", "multipliers", "gpus"})
 ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
+DAY_KEYS = frozenset({"peak_hour", "peak_to_trough", "hourly", "bursts", "boot_min", "setup_min",
+                      "weight_gbytes_per_s"})
 # Bounds of the scenario format: wide enough for any real setting, tight enough that a typo cannot make a plan
 # silently meaningless (an SLO of a day, a billion requests per second) or a library build that never ends.
 MAX_SLO_MS = 600_000.0
@@ -73,6 +75,22 @@ class ScenarioModel:
 
 
 @dataclass(frozen=True)
+class DaySpec:
+    """A day of demand and cloud behaviour (data/scenarios/DAY.md): the diurnal shape of every model's rate
+    (a cosine peaking at `peak_hour` UTC, `peak_to_trough` times its lowest, or 24 explicit `hourly` factors of the
+    peak), whether each window also follows its trace's bursts, and a node's start-up: boot, setup and loading
+    its share of the weights at `weight_gbytes_per_s`."""
+
+    peak_hour: float = 15.0
+    peak_to_trough: float = 2.0
+    hourly: tuple[float, ...] = ()
+    bursts: bool = True
+    boot_min: float = 2.0
+    setup_min: float = 3.0
+    weight_gbytes_per_s: float = 0.5
+
+
+@dataclass(frozen=True)
 class Scenario:
     """A named experiment: models and SLOs, regions, node configurations, availability and planner settings."""
 
@@ -93,6 +111,8 @@ class Scenario:
     engine: str = "coral"
     # The rule T̂ is computed by (`vocab.T_HAT_RULE_NAMES`): `slo` (ours) or `paper`.
     t_hat_rule: str = "slo"
+    # The day `coral day` replays (None: DaySpec's documented default); it changes no plan, so no key has it.
+    day: DaySpec | None = None
 
     @property
     def library_key(self) -> str:
@@ -116,7 +136,7 @@ class Scenario:
         description, the file path and the engine (chosen per plan, recorded in its inputs), and the library key.
         Plans and demand and market snapshots are stored under it, so "latest" never crosses two scenario files."""
         settings = {k: v for k, v in asdict(self).items()
-                    if k not in ("description", "path", "engine", "t_hat_rule")}  # the library key has the rule
+                    if k not in ("description", "path", "engine", "t_hat_rule", "day")}  # the library key has the rule
         # A model served as itself keeps the key it had before served models existed (stored plans stay found).
         settings["models"] = [{k: v for k, v in m.items() if k != "base" or v != m["model"]}
                               for m in settings["models"]]
@@ -290,7 +310,37 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
         path=str(path),
         engine=engine,
         t_hat_rule=t_hat_rule,
+        day=_day(doc, path),
     )
+
+
+def _day(doc: dict, path: Path) -> DaySpec | None:
+    """The optional `day` section (data/scenarios/DAY.md), every field checked; None when absent."""
+    if doc.get("day") is None:
+        return None
+    day = _section(doc, "day", DAY_KEYS, path)
+    base = DaySpec()
+    hourly = day.get("hourly", [])
+    ok = (isinstance(hourly, list) and len(hourly) in (0, 24)
+          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
+                  for v in hourly) and (not hourly or max(hourly) == 1))
+    if not ok:
+        raise CatalogError(path, "day", "hourly", f"{hourly!r} is not 24 factors in [0, 1] with a largest of 1",
+                           "give one factor of the peak rate per hour of the day, 0:00 UTC first, the peak hour 1")
+    if hourly and ("peak_hour" in day or "peak_to_trough" in day):
+        raise CatalogError(path, "day", "hourly", "given together with peak_hour/peak_to_trough",
+                           "describe the day either by hourly factors or by peak_hour and peak_to_trough, not both")
+    bursts = day.get("bursts", base.bursts)
+    if not isinstance(bursts, bool):
+        raise CatalogError(path, "day", "bursts", f"{bursts!r} is not true or false",
+                           "write bursts: true (each window follows its trace's bursts) or false")
+    return DaySpec(peak_hour=_number(day, "peak_hour", path, "day", base.peak_hour, 0.0, 24.0),
+                   peak_to_trough=_number(day, "peak_to_trough", path, "day", base.peak_to_trough, 1.0, 1000.0),
+                   hourly=tuple(float(v) for v in hourly), bursts=bursts,
+                   boot_min=_number(day, "boot_min", path, "day", base.boot_min, 0.0, MAX_MINUTES),
+                   setup_min=_number(day, "setup_min", path, "day", base.setup_min, 0.0, MAX_MINUTES),
+                   weight_gbytes_per_s=_number(day, "weight_gbytes_per_s", path, "day", base.weight_gbytes_per_s,
+                                               0.0, 1000.0, low_open=True))
 
 
 def _served_model(name: str, base: str, path: Path, where: str) -> None:

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
-from coral_dagster.catalog.frames import CATALOG_FRAMES
+import pandas as pd
+
+from coral_dagster.catalog.frames import CATALOG_FRAMES, PRICED_FRAMES
 from coral_dagster.catalog.market import MarketSnapshot, market_from_frame
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.store.duck import Store, newest_snapshot, write_frame
 
 
-def load_catalogs(store: Store) -> dict[str, int]:
-    """Replace the `catalog_*` tables with the bundled catalogs; returns rows per table."""
-    frames = {f"catalog_{name}": build() for name, build in CATALOG_FRAMES.items()}
+def load_catalogs(store: Store, prices: pd.DataFrame | None = None) -> dict[str, int]:
+    """Replace the `catalog_*` tables with the bundled catalogs (priced from `prices`, default: the price table in
+    use); returns rows per table."""
+    frames = {f"catalog_{name}": build(prices) if name in PRICED_FRAMES else build()
+              for name, build in CATALOG_FRAMES.items()}
     with store.transaction() as con:
         for table, df in frames.items():
             write_frame(con, table, df, mode="replace")

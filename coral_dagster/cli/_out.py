@@ -9,7 +9,7 @@ from typing import Any
 
 import click
 
-from coral_dagster.allocation.codec import finite_json
+from coral_dagster.app.documents import finite_json
 # The option types every command uses, re-exported.
 from coral_dagster.cli.types import NON_NEGATIVE as NON_NEGATIVE, POSITIVE as POSITIVE, FiniteFloat as FiniteFloat
 import pandas as pd
@@ -64,7 +64,7 @@ def _use_prices(ctx: click.Context, param: click.Parameter, value: str | None) -
     """Check the price file now and make it the price table of this process (`$CORAL_PRICES`)."""
     if value is None:
         return
-    from coral_dagster.catalog.prices import load_node_prices
+    from coral_dagster.app.prices import load_node_prices
     from coral_dagster.errors import CoralError
 
     os.environ["CORAL_PRICES"] = os.path.abspath(value)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from coral_dagster.catalog.frames import CATALOG_FRAMES
-from coral_dagster.cli._out import db_option, emit, emit_json, json_option, prices_option
+from coral_dagster.cli._out import db_option, emit, emit_json, json_option
+from coral_dagster.cli.types import prices_path_option
 
 
 @click.group()
@@ -14,10 +14,12 @@ def cli() -> None:
 
 
 def _show(name: str, doc: str) -> click.Command:
-    @prices_option
+    @prices_path_option
     @json_option
-    def show(as_json: bool) -> None:
-        emit(CATALOG_FRAMES[name](), as_json, title=name)
+    def show(prices_path: str | None, as_json: bool) -> None:
+        from coral_dagster.app.catalogs import catalog_frame
+
+        emit(catalog_frame(name, prices_path), as_json, title=name)
 
     show.__doc__ = doc
     return click.command(name)(show)
@@ -35,15 +37,14 @@ for _name, _doc in [
 
 
 @cli.command("load")
-@prices_option
+@prices_path_option
 @db_option
 @json_option
-def load(db_path: str | None, as_json: bool) -> None:
+def load(prices_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Validate every catalog and (re)write it into the DuckDB file, one transaction for all."""
-    from coral_dagster.catalog.store import load_catalogs
-    from coral_dagster.store import Store
+    from coral_dagster.app.catalogs import load_catalogs
 
-    counts = load_catalogs(Store(db_path))
+    counts = load_catalogs(db_path, prices_path)
     if as_json:
         emit_json(counts)
     else:

@@ -16,27 +16,16 @@ from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit_json, json_opti
 def down(dry_run: bool, drain_timeout_s: float, as_json: bool, db_path: str | None) -> None:
     """Take the whole recorded deployment down: each instance drained through the coordinator, then every
     cluster `sky down`, the coordinator last. The state in DuckDB records each step (`coral status --all`)."""
-    from coral_dagster.deploy import state, tasks
-    from coral_dagster.deploy.reconcile import COORDINATOR_SLOT, teardown, teardown_removals
-    from coral_dagster.store import Store
+    from coral_dagster.app.teardown import take_down, teardown_steps
 
-    store = Store(db_path)
-    removals = teardown_removals(state.read_nodes(store))
     if dry_run:
-        steps = []
-        for r in removals:
-            if r.instance_id != COORDINATOR_SLOT:
-                steps.append(f"# drain {r.instance_id} through the coordinator, then:")
-            steps += [tasks.down_command(c) for c in r.clusters]
+        clusters, steps = teardown_steps(db_path)
         if as_json:
-            emit_json({"dry_run": True, "clusters": [c for r in removals for c in r.clusters], "commands": steps})
+            emit_json({"dry_run": True, "clusters": clusters, "commands": steps})
         else:
             click.echo("\n".join(steps) if steps else "nothing recorded as up")
         return
-    from coral_dagster.deploy.drain import CoordinatorDrainer
-    from coral_dagster.deploy.sky_adapter import SkyLauncher
-
-    report = teardown(store, SkyLauncher(), CoordinatorDrainer(), drain_timeout_s)
+    report = take_down(db_path, drain_timeout_s)
     if as_json:
         emit_json(report.as_dict())
         return

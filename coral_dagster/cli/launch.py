@@ -10,7 +10,7 @@ import pandas as pd
 
 from coral_dagster.vocab import METHODS
 from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
-from coral_dagster.deploy.spec import GPU_ROLES
+from coral_dagster.app.deployment import GPU_ROLES
 
 
 def _records(df: pd.DataFrame) -> list[dict]:
@@ -50,7 +50,8 @@ def _echo_cost(plan, cost, priced_from: str) -> None:
 @click.command("launch")
 @click.option("--plan", "plan_ref", default="latest", show_default=True,
               help="'latest' (the scenario's newest plan of --method), a plan id (see `coral plan --json`), or a "
-                   "plan JSON file naming a stored plan_id.")
+                   "plan JSON file as `coral plan --json` prints it (deployed under its plan_id only when it is "
+                   "that stored plan unchanged, else as file-<content hash>).")
 @click.option("--scenario", default="core", show_default=True, help="Scenario whose plan `latest` means.")
 @click.option("--method", type=click.Choice(METHODS), default="coral", show_default=True,
               help="Method whose plan `latest` means.")
@@ -62,35 +63,40 @@ def _echo_cost(plan, cost, priced_from: str) -> None:
               help="Seconds a removed instance may take to finish its in-flight requests before `sky down`.")
 @click.option("--retry-until-up", is_flag=True,
               help="Let SkyPilot keep retrying a node when its region has no capacity (default: fail and roll back).")
+@click.option("--plain-http", is_flag=True,
+              help="Serve clients plain HTTP (default: HTTPS, with a self-signed certificate made on each coordinator "
+                   "VM unless CORAL_TLS_CERTFILE/KEYFILE name a real one; docs/deployment.md).")
 @prices_option
 @json_option
 @db_option
 def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float,
-           retry_until_up: bool,
+           retry_until_up: bool, plain_http: bool,
            as_json: bool, db_path: str | None) -> None:
     """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
 
     Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
-    node also runs its scheduler, and the others are wired to it through envs; one CPU VM runs the coordinator.
-    The deployment's full cost (GPU nodes, CPU VM, unpriced parts such as disks) is shown beside the plan's.
+    node also runs its scheduler, and the others are wired to it through envs; two CPU VMs run the coordinator
+    pair (a primary, and a standby that serves when the primary stops answering; every scheduler knows both).
+    The deployment's full cost (GPU nodes, CPU VMs, unpriced parts such as disks) is shown beside the plan's.
     State lives in DuckDB (`coral status`); a run that stops part-way is resumed by the next one. Secrets (HF_TOKEN,
     CORAL_CURVE_SECRET_KEY, CORAL_CURVE_PUBLIC_KEYS, CORAL_REGISTRATION_KEY, CORAL_API_KEY) are read from this shell
     at launch and handed to SkyPilot as secrets, never written anywhere; each instance gets its own
-    CORAL_INSTANCE_CREDENTIAL, derived from CORAL_REGISTRATION_KEY, which only the coordinator receives. The
-    coordinator's OpenAI URL is printed at the end (and by `coral status`); clients send CORAL_API_KEY as their
-    api_key. --dry-run writes one task YAML per cluster kind and `launch.sh`, which launches every cluster from them
-    in order. A real run needs the `cloud` extra and cloud credentials (`sky check`); SkyPilot starts its local API
+    CORAL_INSTANCE_CREDENTIAL, derived from CORAL_REGISTRATION_KEY, which only the coordinators receive. The
+    primary coordinator's OpenAI URL (HTTPS unless --plain-http) is printed at the end (and by `coral status`);
+    clients send CORAL_API_KEY as their api_key. --dry-run writes one task YAML per cluster kind and `launch.sh`,
+    which launches every cluster from them in order, and shows the URL. A real run needs the `cloud` extra and
+    cloud credentials (`sky check`); SkyPilot starts its local API
     server itself.
     """
     from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import plan_label
-    from coral_dagster.store import Store
+    from coral_dagster.app.plans import Store
 
     store = Store(db_path)
     plan = _load_plan(store, plan_ref, scenario, method)
     label = plan_label(plan)
     done = deploy(store, plan, dry_run=dry_run, out=Path(out_dir) if out_dir else None,
-                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up)
+                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up, plain_http=plain_http)
     report = done.report
     if report is not None:
         if as_json:
@@ -107,7 +113,8 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     assert diff is not None and dry is not None  # a dry run's
     actions = _actions(diff)
     if as_json:
-        emit_json({**done.as_dict(), "actions": _records(actions)})
+        emit_json({**done.as_dict(), "actions": _records(actions), "endpoint": dry.endpoint,
+                   "failover": dry.failover})
         return
     _echo_cost(plan, done.cost, done.priced_from)
     if not diff.changes:
@@ -118,6 +125,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     click.echo(f"# {len(dry.yaml_paths)} task YAML(s), one per cluster kind, in {done.out}; run {dry.script}:")
     for line in dry.commands:
         click.echo(line)
+    _echo_endpoint(dry.endpoint)
 
 
 def _echo_endpoint(url: str | None) -> None:
@@ -132,8 +140,8 @@ def _echo_endpoint(url: str | None) -> None:
 def status(show_all: bool, as_json: bool, db_path: str | None) -> None:
     """Show the deployment recorded in DuckDB: live clusters, their status, address and price."""
     from coral_dagster.app.deployment import endpoint
-    from coral_dagster.deploy import state
-    from coral_dagster.store import Store
+    from coral_dagster.app.deployment import state
+    from coral_dagster.app.plans import Store
 
     store = Store(db_path)
     nodes, runs = state.read_nodes(store), state.read_runs(store)

@@ -9,13 +9,14 @@ import sys
 import click
 
 from coral_dagster.errors import CoralError
-from coral_dagster.lifetimes import stop_on_sigterm
+from coral_dagster.app.processes import stop_on_sigterm
 
 # name -> module:attribute; imported on use, so a GPU node with only the runtime installed runs `coral serve`.
 COMMANDS = {
     "catalog": "catalog:cli", "run": "run:cli", "profile": "profile:cli", "templates": "templates:cli",
     "plan": "plan:plan", "bench": "plan:bench", "launch": "launch:launch", "down": "down:down",
     "serve": "serve:serve", "generate": "serve:generate", "simulate": "simulate:cli", "status": "launch:status",
+    "day": "day:cli",
 }
 
 

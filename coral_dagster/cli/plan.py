@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import uuid
-from pathlib import Path
 
 import click
 
+from coral_dagster.app.make_plan import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
                                    json_option, prices_option)
-from coral_dagster.cli.templates import t_hat_rule_option, with_t_hat_rule
+from coral_dagster.cli.templates import t_hat_rule_option
+from coral_dagster.cli.types import prices_path_option
 from coral_dagster.vocab import METHODS, SERVING_ENGINES
 
-from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S
 MIXES = ("uniform", "large-heavy", "small-heavy")
 
 
@@ -76,52 +75,25 @@ def _print_plan(plan) -> None:
 @click.option("--store/--no-store", "save", default=True, show_default=True,
               help="Write the plan to the DuckDB file (tables plans, plan_instances).")
 @t_hat_rule_option
-@prices_option
+@prices_path_option
 @db_option
 @json_option
 def plan(scenario: str, method: str, availability_scale: float, engine: str | None, demand_mix: str,
          running_id: str | None, scarcity: str, max_nodes: int, time_limit_s: float, closed_loop: bool, save: bool,
-         t_hat_rule: str | None,
-         db_path: str | None, as_json: bool) -> None:
+         t_hat_rule: str | None, prices_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Choose how many instances of which templates to run in which region, at least cost.
 
     Demand per (model, phase) is the scenario's request rate × the trace's mean prompt (prefill) or output
     (decode) tokens × its headroom. Prints instances, served vs demanded tokens/s, cost, the LP-relaxation
     bound and gap; under scarcity, which models and node configurations bind.
     """
-    from dataclasses import replace
+    from coral_dagster.app.documents import plan_to_doc
+    from coral_dagster.app.make_plan import PlanRequest, make_plan
 
-    from coral_dagster.allocation.codec import plan_to_doc
-    from coral_dagster.allocation.inputs import scenario_rates
-    from coral_dagster.app.scenario_plans import plan_scenario
-    from coral_dagster.allocation.storage import store_plan
-    from coral_dagster.app.closed_loop import held_plan
-    from coral_dagster.app.plans import resolve_plan
-    from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.catalog.store import append_snapshot
-    from coral_dagster.store import Store
-
-    store = Store(db_path)
-    running = resolve_plan(store, running_id, scenario, method) if running_id else None
-    scn = load_scenario(scenario)
-    scn = replace(with_t_hat_rule(scn, t_hat_rule), engine=engine or scn.engine)
-    market = scn.market(availability_scale=availability_scale)
-
-    def make(boost):
-        return plan_scenario(scn, method=method, demand_mix=demand_mix, running=running, market=market,
-                             scarcity=None if scarcity == "none" else scarcity, time_limit_s=time_limit_s,
-                             db_path=db_path, boost=boost, max_nodes=max_nodes)
-
-    result = held_plan(make, scn, scenario_rates(scn, demand_mix), loop=closed_loop and method != "helix")
-    if save:
-        inputs = {"scenario": scenario, "scenario_path": scn.path, "method": method, "engine": scn.engine,
-                  "t_hat_rule": scn.t_hat_rule,
-                  "availability_scale": availability_scale,
-                  "demand_mix": demand_mix, "running": running.plan_id if running else None, "scarcity": scarcity,
-                  "time_limit_s": time_limit_s, "max_nodes": max_nodes, "closed_loop": closed_loop}
-        if result.snapshot_id == market.snapshot_id:
-            append_snapshot(store, market)
-        result = store_plan(store, result, f"cli-{uuid.uuid4().hex[:12]}", inputs)
+    result = make_plan(PlanRequest(
+        scenario, method, scarcity=None if scarcity == "none" else scarcity, availability_scale=availability_scale,
+        demand_mix=demand_mix, t_hat_rule=t_hat_rule, engine=engine, max_nodes=max_nodes, time_limit_s=time_limit_s,
+        closed_loop=closed_loop, running=running_id, db_path=db_path, prices_path=prices_path, save=save)).plan
     if as_json:
         emit_json(plan_to_doc(result))
     else:
@@ -166,7 +138,6 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
 
     BenchConfig, run_allocation_bench = _harness().BenchConfig, _harness().run_allocation_bench
     from coral_dagster.app.scenario_plans import library_templates
-    from coral_dagster.plots import bench_png
 
     slo = None if helix_slo_ms == "scenario" else tuple(float(x) for x in helix_slo_ms.split(","))
     config = BenchConfig(scenarios=tuple(s for s in scenarios.split(",") if s),
@@ -176,17 +147,13 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
                          attainment_duration_s=attainment_duration_s)
     progress = None if as_json else (lambda it, desc: tqdm(list(it), desc=desc))
     doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config, progress=progress)
-    if out_path:
-        out = Path(out_path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2, default=str))
-        out.with_suffix(".png").write_bytes(bench_png(doc))
+    png = _harness().write_bench(doc, out_path) if out_path else None
     if as_json:
         emit_json(doc)
     else:
         print_bench(doc)
         if out_path:
-            click.echo(f"wrote {out_path} and {Path(out_path).with_suffix('.png')}")
+            click.echo(f"wrote {out_path} and {png}")
 
 
 def _harness():

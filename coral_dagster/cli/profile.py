@@ -4,25 +4,24 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
-from pathlib import Path
 
 import click
 
 from coral_dagster.cli._out import POSITIVE, SCENARIO_HELP, db_option, emit, emit_json, emit_table, json_option
 from coral_dagster.cli.templates import t_hat_rule_option
 from coral_dagster.errors import CoralError
+from coral_dagster.vocab import DEMAND_PHASES
 
 _model = click.option("--model", required=True, help="Model alias or Hugging Face id (see `coral catalog models`).")
 _node = click.option("--node", required=True, help="Node configuration GPU:count, e.g. L40S:2.")
-_phase = click.option("--phase", type=click.Choice(["prefill", "decode"]), required=True, help="Phase.")
+_phase = click.option("--phase", type=click.Choice(DEMAND_PHASES), required=True, help="Phase.")
 
 
 def _resolve(model: str, node: str):
     """Catalog entries for the names given; unknown names raise `UnknownNameError` listing the valid ones."""
-    from coral_dagster.catalog.gpus import node_spec
-    from coral_dagster.catalog.models import get_model
+    from coral_dagster.app.profiling import model_and_node
 
-    return get_model(model), node_spec(node)
+    return model_and_node(model, node)
 
 
 def _counts(counts: dict[str, int], as_json: bool) -> None:
@@ -54,10 +53,10 @@ def cli() -> None:
 def latency(model: str, node: str, phase: str, tokens: int | None, seq_tokens: int | None, batch: int | None,
             context_tokens: int | None, as_json: bool) -> None:
     """Milliseconds one layer takes: a prefill batch (--tokens) or one decode iteration (--batch, --context)."""
-    from coral_dagster.profiles import default_perf_model
+    from coral_dagster.app.profiling import perf_model
 
     m, n = _resolve(model, node)
-    perf = default_perf_model()
+    perf = perf_model()
     if phase == "prefill":
         if not tokens:
             raise CoralError("--phase prefill needs --tokens.", "add --tokens N (prompt tokens in the batch).")
@@ -95,13 +94,13 @@ def throughput(model: str, node: str, phase: str, layers: int, budget_ms: float,
     This is the per-node T̂ both rules start from, KV room for one batch: the paper's rule is exactly it (with no
     activation transfer); the slo rule plans templates below it (a scenario's margin and queueing, `coral
     templates best --explain` shows its tables)."""
-    from coral_dagster.profiles import default_perf_model
+    from coral_dagster.app.profiling import perf_model
 
     if t_hat_rule == "paper" and send_gbps is not None:
         raise CoralError("--send-gbps under --t-hat-rule paper: the paper's rule charges no activation transfer.",
                          "drop --send-gbps, or use --t-hat-rule slo.")
     m, n = _resolve(model, node)
-    perf = default_perf_model()
+    perf = perf_model()
     point = perf.t_hat(m, n.config, phase, layers, budget_ms, context_tokens, send_gbps)
     out = {"model": m.alias, "node": str(n.config), "phase": phase, "layers": layers, "budget_ms": budget_ms,
            "t_hat_rule": t_hat_rule or "slo",
@@ -117,23 +116,16 @@ def throughput(model: str, node: str, phase: str, layers: int, budget_ms: float,
 @cli.command()
 @_model
 @click.option("--node", "nodes", multiple=True, help="Node configuration(s); default: every GPU type x 1, 2, 4, 8.")
-@click.option("--phase", type=click.Choice(["prefill", "decode"]), default=None, help="Only this phase.")
+@click.option("--phase", type=click.Choice(DEMAND_PHASES), default=None, help="Only this phase.")
 @json_option
 def show(model: str, nodes: tuple[str, ...], phase: str | None, as_json: bool) -> None:
     """The profile table of a model: per-layer latency by batch, memory sizes and source, per node."""
-    from coral_dagster.catalog.gpus import gpu_catalog
-    from coral_dagster.catalog.nodes import GPUS_PER_NODE
-    from coral_dagster.profiles import profile_table
+    from coral_dagster.app.profiling import profile_frame
 
-    from coral_dagster.catalog.gpus import node_spec
-    from coral_dagster.catalog.models import get_model
-
-    m = get_model(model)
-    chosen = [node_spec(n).config for n in nodes] or [f"{g}:{c}" for g in gpu_catalog() for c in GPUS_PER_NODE]
-    df = profile_table([m], chosen)
+    alias, df = profile_frame(model, nodes)
     if phase:
         df = df[df["phase"] == phase]
-    emit(df, as_json, title=f"{m.alias}: ms per layer")
+    emit(df, as_json, title=f"{alias}: ms per layer")
 
 
 @cli.command()
@@ -154,18 +146,13 @@ def show(model: str, nodes: tuple[str, ...], phase: str | None, as_json: bool) -
 def run(model: str, node: str, layers: int, device: str, engine: str, hidden_scale: float | None,
         out_path: str | None, store: bool, db_path: str | None, as_json: bool) -> None:
     """Measure per-layer prefill and decode latency on the local device (random weights, few layers)."""
-    from coral_dagster.profiles.torch_run import RunConfig, run_profile
+    from coral_dagster.app.profiling import measure, store_measured, write_csv
 
-    _resolve(model, node)
-    cfg = RunConfig.for_device(model, node, device, layers=layers, engine=engine, hidden_scale=hidden_scale)
-    df, notes = run_profile(cfg)
+    df, notes = measure(model, node, device, layers=layers, engine=engine, hidden_scale=hidden_scale)
     if out_path:
-        Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        df.to_csv(out_path, index=False)
+        write_csv(df, out_path)
     if store:
-        from coral_dagster.store import Store
-
-        Store(db_path).write("profiles_measured", df.assign(measured_at=notes["measured_at"], host=notes["host"]))
+        store_measured(db_path, df, notes)
     if as_json:
         emit_json({"table": json.loads(df.to_json(orient="records")), "notes": notes})
     else:
@@ -178,19 +165,9 @@ def run(model: str, node: str, layers: int, device: str, engine: str, hidden_sca
 @json_option
 def fit(record: bool, as_json: bool) -> None:
     """Refit the roofline's efficiencies to the shipped measured tables (writes data/profiles/roofline_fit.json)."""
-    from coral_dagster.profiles.accuracy import in_sample_errors, record_errors
-    from coral_dagster.profiles.fit import fit_roofline, load_fit, save_fit
+    from coral_dagster.app.profiling import refit
 
-    try:
-        start = load_fit()
-    except CoralError:
-        start = None
-    result = fit_roofline(start=start)
-    path = save_fit(result)
-    load_fit.cache_clear()
-    errors = in_sample_errors(result)
-    if record:
-        record_errors(errors)
+    path, result, errors = refit(record)
     if as_json:
         emit_json({"path": str(path), "meta": result.meta, "errors": errors})
     else:
@@ -205,19 +182,18 @@ def fit(record: bool, as_json: bool) -> None:
 @json_option
 def import_(shared_dir: str, as_json: bool) -> None:
     """Convert the public Helix and Vidur tables into data/profiles/."""
-    from coral_dagster.profiles.sources import import_public_profiles
+    from coral_dagster.app.profiling import import_profiles
 
-    _counts(import_public_profiles(shared_dir), as_json)
+    _counts(import_profiles(shared_dir), as_json)
 
 
 @cli.command("aic-tables")
 @json_option
 def aic_tables(as_json: bool) -> None:
     """Regenerate data/profiles/aiconfigurator_layers.csv from aiconfigurator-core's measured kernels."""
-    from coral_dagster.profiles.aic import AIC_FILE, build_aic_tables
+    from coral_dagster.app.profiling import aic_tables as build
 
-    df = build_aic_tables(progress=not as_json)
-    _counts({AIC_FILE: len(df), "(model, node) pairs": int(df.groupby(["model", "node"]).ngroups)}, as_json)
+    _counts(build(progress=not as_json), as_json)
 
 
 @cli.command()
@@ -228,13 +204,6 @@ def aic_tables(as_json: bool) -> None:
 @json_option
 def tables(scenarios: tuple[str, ...], store: bool, db_path: str | None, as_json: bool) -> None:
     """Write the bundled scenarios' profile tables to data/profiles/profiles_<scenario>.csv."""
-    from coral_dagster.profiles.table import write_scenario_tables
+    from coral_dagster.app.profiling import scenario_tables
 
-    counts = write_scenario_tables(scenarios)
-    if store:
-        from coral_dagster.profiles.store import store_scenario_profiles
-        from coral_dagster.store import Store
-
-        target = Store(db_path)
-        counts["profiles (DuckDB)"] = sum(len(store_scenario_profiles(target, s)) for s in scenarios)
-    _counts(counts, as_json)
+    _counts(scenario_tables(scenarios, store, db_path), as_json)

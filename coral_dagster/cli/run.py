@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 import pandas as pd
 
-from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit_json, emit_table, json_option,
-                                   prices_option)
-from coral_dagster.cli.templates import t_hat_rule_option
+from coral_dagster.cli._out import POSITIVE, FiniteFloat, db_option, emit_json, emit_table, json_option, prices_option
+
+# The pipeline's template library is partitioned by the bundled scenarios' models, so it runs those only.
+STEP_BY_STEP = ("run a scenario file step by step instead: `coral templates build --scenario FILE`, then `coral plan "
+                "--scenario FILE` and `coral simulate --scenario FILE`")
+
+
+def _bundled(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    from coral_dagster.app.plans import scenario_names
+
+    if value not in scenario_names():
+        raise click.BadParameter(f"{value!r} is not a bundled scenario ({', '.join(scenario_names())}), the only "
+                                 f"ones the pipeline runs; {STEP_BY_STEP}.", ctx, param)
+    return value
 
 
 @click.command()
-@click.option("--scenario", default="core", show_default=True, help=f"Scenario to run: {SCENARIO_HELP}.")
+@click.option("--scenario", default="core", show_default=True, callback=_bundled,
+              help="Bundled scenario to run: core, core-uniform, extended, helix or mega (the pipeline's template "
+                   f"library is partitioned by their models; {STEP_BY_STEP}).")
 @click.option("--simulate-s", "simulate_s", type=POSITIVE, default=120.0, show_default=True,
               help="Seconds of traffic to simulate.")
 @click.option("--attainment-target", "attainment_target", type=FiniteFloat(0.0, 1.0), default=0.95,
@@ -22,13 +34,12 @@ from coral_dagster.cli.templates import t_hat_rule_option
 @click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
               help="Simulate the Coral plan on each model's own trace and re-plan with more capacity for models "
                    "below target (at most 3 plans).")
-@t_hat_rule_option
 @prices_option
 @db_option
 @json_option
 @click.pass_context
 def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, closed_loop: bool,
-        t_hat_rule: str | None, db_path: str | None, as_json: bool) -> None:
+        db_path: str | None, as_json: bool) -> None:
     """Run the pipeline end to end on the bundled data and print a summary.
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
@@ -37,20 +48,20 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
     the Dagster instance at $DAGSTER_HOME (default: the project's .dagster/), so `dagster dev` started with the
     same DAGSTER_HOME shows them. Exits 1 when a check fails (a failed blocking check also stops deployment).
     """
-    if db_path:
-        os.environ["CORAL_DB"] = str(db_path)
-    from coral_dagster.allocation.storage import load_plan
+    from coral_dagster.app.plans import Store, load_plan
     from coral_dagster.definitions import dagster_home, materialize_pipeline
-    from coral_dagster.store import Store
 
     verbose = bool(ctx.find_root().params.get("verbose"))
-    scenario = scenario_with_rule(scenario, t_hat_rule)
+    check_dagster_home(dagster_home())
     result = materialize_pipeline(scenario, simulate_s=simulate_s, attainment_target=attainment_target,
-                                  closed_loop=closed_loop,
+                                  closed_loop=closed_loop, db_path=db_path,
                                   log_level="INFO" if verbose else "CRITICAL",
                                   on_step=lambda step: click.echo(f"materialize: {step}", err=True))
-    store = Store()
-    plan = load_plan(store, result.metadata["allocation_plan"]["plan_id"].value)  # the plan this run made
+    store = Store(db_path)
+    plan_id = result.metadata["allocation_plan"]["plan_id"].value  # the plan this run made
+    if not isinstance(plan_id, str):
+        raise RuntimeError(f"the allocation_plan asset recorded plan_id {plan_id!r}, not a plan id")
+    plan = load_plan(store, plan_id)
     summary = run_summary(store, plan, result)
     if as_json:
         emit_json(summary)
@@ -62,32 +73,38 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
         sys.exit(1)
 
 
-def scenario_with_rule(scenario: str, t_hat_rule: str | None) -> str:
-    """`scenario`, or when it asks for another T̂ rule, a copy of its file with `templates: {t_hat_rule}` set under
-    $DAGSTER_HOME/scenarios (the pipeline's assets load a scenario by name or path)."""
-    from pathlib import Path
-
+def check_dagster_home(home) -> None:
+    """Refuse, before any work, a $DAGSTER_HOME that is not a folder or whose dagster.yaml Dagster cannot read:
+    one sentence with the fix instead of Dagster's traceback."""
+    import dagster as dg
     import yaml
 
-    from coral_dagster.catalog._load import read_yaml
-    from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.definitions import dagster_home
+    from coral_dagster.errors import CoralError
+    from coral_dagster.app.documents import make_dir
 
-    scn = load_scenario(scenario)
-    if t_hat_rule is None or scn.t_hat_rule == t_hat_rule:
-        return scenario
-    doc = read_yaml(Path(scn.path))
-    doc["templates"] = {**(doc.get("templates") or {}), "t_hat_rule": t_hat_rule}
-    path = dagster_home() / "scenarios" / f"{scn.name}-{t_hat_rule}.yaml"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(doc, sort_keys=False))
-    return str(path)
+    fix = "point DAGSTER_HOME at a folder (made when missing), or unset it to use the project's .dagster/"
+    if home.exists() and not home.is_dir():
+        raise CoralError(f"DAGSTER_HOME {home} is not a folder.", fix)
+    make_dir(home, fix)
+    config = home / "dagster.yaml"
+    if not config.exists():
+        return
+    try:
+        dg.DagsterInstance.from_config(str(home)).dispose()
+    except (dg.DagsterError, yaml.YAMLError, OSError) as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+        detail = next((line for line in lines if line.startswith("Error 1:")), lines[0]).split(" Expected:")[0]
+        mark = getattr(exc, "problem_mark", None)
+        if mark is not None:
+            detail = f"{getattr(exc, 'problem', None) or detail}, line {mark.line + 1}, column {mark.column + 1}"
+        raise CoralError(f"Dagster cannot read its instance configuration {config} ({detail[:200]}).",
+                         f"correct or delete that file (`coral run` then writes its own), or {fix}") from None
 
 
 def run_summary(store, plan, result) -> dict:
     """What a person reads after `coral run`: the plan, the comparison to the previous one and to the baselines,
     the simulation, and every check as a sentence."""
-    from coral_dagster.allocation.codec import plan_to_doc
+    from coral_dagster.app.documents import plan_to_doc
     from coral_dagster.app.simulation import plan_simulation
 
     baselines = result.metadata.get("baseline_plans", {})

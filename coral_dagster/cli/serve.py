@@ -6,7 +6,7 @@ import json
 import socket
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import click
 from click.core import ParameterSource
@@ -97,7 +97,7 @@ def _local_kv_transfer(log_dir: str | None) -> dict[str, str]:
     import tempfile
     from pathlib import Path
 
-    from coral_dagster.templates.engines import KV_ROLES, vllm_kv_transfer_config
+    from coral_dagster.app.node import KV_ROLES, vllm_kv_transfer_config
 
     storage = str(Path(log_dir) / "kv") if log_dir else tempfile.mkdtemp(prefix="coral-kv-")
     return {phase: json.dumps(vllm_kv_transfer_config(phase, "ExampleConnector", engine_id=f"local-{phase}",
@@ -118,7 +118,7 @@ def serve() -> None:
 @serve.command("coordinator")
 @_endpoint("--listen", Env.LISTEN, "tcp://127.0.0.1:5555", "ZeroMQ endpoint for schedulers and clients.")
 @_opt("--http-host", env=Env.HTTP_HOST, default="127.0.0.1", show_default=True, help="Front door host.")
-@_opt("--http-port", env=Env.HTTP_PORT, type=int, default=8000, show_default=True,
+@_opt("--http-port", env=Env.HTTP_PORT, type=click.IntRange(-1, 65535), default=8000, show_default=True,
       help="Front door port (OpenAI-compatible); -1 disables it.")
 @_opt("--model", "models", env=Env.MODEL, multiple=True, help="Model names to list before instances register.")
 @_opt("--max-retries", env=Env.MAX_RETRIES, type=int, default=1, show_default=True,
@@ -127,12 +127,19 @@ def serve() -> None:
 @_opt("--tls-certfile", env=Env.TLS_CERTFILE, default=None,
       help="PEM certificate (chain) to serve HTTPS with; needs --tls-keyfile.")
 @_opt("--tls-keyfile", env=Env.TLS_KEYFILE, default=None, help="PEM private key of --tls-certfile.")
+@_opt("--allowed-origins", env=Env.ALLOWED_ORIGINS, default="[]", show_default=True,
+      help="Origins browsers may call the API from, a JSON list as vLLM's flag (e.g. '[\"https://app.example\"]').")
+@_opt("--allowed-methods", env=Env.ALLOWED_METHODS, default='["*"]', show_default=True,
+      help="Methods CORS allows, a JSON list.")
+@_opt("--allowed-headers", env=Env.ALLOWED_HEADERS, default='["*"]', show_default=True,
+      help="Headers CORS allows, a JSON list.")
 @_opt("--admit", env=Env.ADMIT, default="",
       help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
            "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
 @_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
                     api_key: str | None, tls_certfile: str | None, tls_keyfile: str | None, admit: str,
+                    allowed_origins: str, allowed_methods: str, allowed_headers: str,
                     insecure: bool, as_json: bool, **kw: Any) -> None:
     """Route requests over ready instances by weighted round-robin and serve the HTTP front door.
 
@@ -141,6 +148,7 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
     connections only.
     """
     from coral_dagster.runtime.config import CoordinatorConfig, parse_admit
+    from coral_dagster.runtime.frontdoor import Cors
     from coral_dagster.runtime.roles import run_coordinator
 
     admit_req_s, admit_depth_req, admit_peak = parse_admit(admit)
@@ -149,7 +157,11 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
                                       max_retries=max_retries, api_key=api_key, timing=_timing(kw),
                                       admit_req_s=admit_req_s, admit_depth_req=admit_depth_req,
                                       admit_peak=admit_peak, http_tls_certfile=tls_certfile,
-                                      http_tls_keyfile=tls_keyfile), insecure, as_json)
+                                      http_tls_keyfile=tls_keyfile,
+                                      http_allowed_origins=Cors.parse("--allowed-origins", allowed_origins),
+                                      http_allowed_methods=Cors.parse("--allowed-methods", allowed_methods),
+                                      http_allowed_headers=Cors.parse("--allowed-headers", allowed_headers)),
+                    insecure, as_json)
 
 
 @serve.command("scheduler")
@@ -177,7 +189,7 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 
     The first SIGTERM drains (no new requests, finish those in flight, leave); a second one stops at once.
     """
-    from coral_dagster.layer_split import parse_split
+    from coral_dagster.app.node import parse_split
     from coral_dagster.runtime.config import SchedulerConfig
     from coral_dagster.runtime.roles import model_layers, model_limits, run_scheduler
 
@@ -205,7 +217,7 @@ def scheduler_cmd(instance: str, model: str, phase: str, split: str, coordinator
 @_opt("--node-rank", env=Env.NODE_RANK, type=int, default=0, show_default=True,
       help="vLLM: this node's rank in the instance's pipeline; rank 0 serves, others run `vllm serve --headless`.")
 @_endpoint("--vllm-head", Env.VLLM_HEAD, "127.0.0.1", "vLLM: the head node's address (vLLM's --master-addr).")
-@_opt("--vllm-port", env=Env.VLLM_PORT, type=int, default=29501, show_default=True,
+@_opt("--vllm-port", env=Env.VLLM_PORT, type=click.IntRange(1, 65535), default=29501, show_default=True,
       help="vLLM: the head's torch.distributed port (vLLM's --master-port).")
 @_vllm_options
 @_opt("--restart/--no-restart", env=Env.RESTART, default=True, show_default=True,
@@ -224,7 +236,7 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     headless worker (`vllm serve … --headless`). The node runs as a child leading its own process group, as under
     `serve local`: that group (vLLM's engine core and workers) dies with the node and with this command.
     """
-    from coral_dagster.layer_split import parse_split
+    from coral_dagster.app.node import parse_split
     from coral_dagster.runtime.config import NodeSettings, parse_layers
     from coral_dagster.runtime.groups import supervise
     from coral_dagster.runtime.roles import model_layers, run_engine, run_headless
@@ -234,6 +246,7 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     launch = dict(tp=tp, master_addr=vllm_head, master_port=vllm_port, max_model_len=max_model_len,
                   gpu_memory_utilization=gpu_memory_utilization, enforce_eager=enforce_eager,
                   kv_transfer_config=kv_transfer_config)
+    target: Callable[..., None]
     if engine_kind == "vllm" and node_rank > 0:
         name, target, kwargs = f"vllm rank {node_rank}", run_headless, dict(
             model=model, split=split_t, node_rank=node_rank, launch=launch)
@@ -261,7 +274,7 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
 @click.option("--stage-nodes", default=None,
               help="Engine nodes per stage, e.g. 1,2,1 (default one each; decode instances with their own split "
                    "get one each).")
-@click.option("--port", type=int, default=8000, show_default=True, help="HTTP front door port.")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True, help="HTTP front door port.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address every process listens on.")
 @_opt("--api-key", env=Env.API_KEY, default=None,
       help="Key HTTP clients must send as 'Authorization: Bearer' (default: generated, written to <log-dir>/api_key).")
@@ -282,17 +295,26 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
     API key, which is printed as a file path (the key itself is never printed). Each process leads its own
     process group, which dies with it and with this command.
     """
-    from coral_dagster.layer_split import parse_split
+    from pathlib import Path
+
+    from coral_dagster.app.node import parse_split
     from coral_dagster.runtime.local import LocalDeployment, local_instances
     from coral_dagster.runtime.roles import model_layers, say, stop_on_signals
 
     if engine_kind == "vllm" and stage_nodes:
         raise CoralError("a vLLM instance runs one node per stage.", "drop --stage-nodes with --engine vllm")
     split = split or (str(model_layers(model)) if engine_kind == "vllm" else "3,5,4")
+    try:
+        nodes = parse_split(stage_nodes) if stage_nodes else ()
+    except CoralError:
+        raise CoralError(f"--stage-nodes {stage_nodes!r} is not a list of positive node counts.",
+                         "give engine nodes per stage as 'a,b,c', one per stage of --split, e.g. 1,2,1") from None
     layout = local_instances(parse_split(split), instances, pd, parse_split(decode_split) if decode_split else None,
-                             parse_split(stage_nodes) if stage_nodes else ())
-    dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw), log_dir=log_dir,
-                          api_key=api_key, restart=restart, engine=engine_kind, vllm_launch=_vllm_launch(vllm_args),
+                             nodes)
+    dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw),
+                          log_dir=Path(log_dir) if log_dir else None, api_key=api_key, restart=restart,
+                          standby=True, engine=engine_kind,
+                          vllm_launch=_vllm_launch(vllm_args),
                           kv_transfer=_local_kv_transfer(log_dir) if engine_kind == "vllm" and pd else {})
     stop = threading.Event()
     stop_on_signals(stop)
@@ -313,11 +335,17 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
 @serve.command("keys")
 @click.option("--credential", "instance", metavar="INSTANCE", default=None,
               help="Print instead the credential of instance INSTANCE, derived from $CORAL_REGISTRATION_KEY (what "
-                   "`coral launch` gives that instance's nodes as CORAL_INSTANCE_CREDENTIAL).")
+                   "`coral launch` gives that instance's scheduler as CORAL_INSTANCE_CREDENTIAL).")
+@click.option("--node", metavar="NODE", default=None,
+              help="With --credential: print instead the credential of engine node NODE of that instance (what "
+                   "`coral launch` gives the node as CORAL_NODE_CREDENTIAL).")
+@click.option("--stage", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --node: the stage the node holds (its CORAL_STAGE_RANK).")
 @_json
-def keys_cmd(instance: str | None, as_json: bool) -> None:
+def keys_cmd(instance: str | None, node: str | None, stage: int, as_json: bool) -> None:
     """Generate a deployment's keys: the CURVE keypair every node gets, and the registration key only the coordinator
-    and the launching machine hold (each instance gets a credential derived from it for its own name). Pass them as
+    and the launching machine hold (each instance gets a credential derived from it for its own name, and each engine
+    node one for its instance, stage and name). Pass them as
     SkyPilot secrets; `coral launch` reads them from this shell."""
     from coral_dagster.runtime import credentials
     from coral_dagster.runtime.protocol import Env
@@ -328,9 +356,13 @@ def keys_cmd(instance: str | None, as_json: bool) -> None:
         if not key:
             raise CoralError(f"{Env.REGISTRATION_KEY} is not set in this shell.",
                              f"export the {Env.REGISTRATION_KEY} that `coral serve keys` printed for this deployment")
-        env = {Env.INSTANCE_CREDENTIAL.value: credentials.instance_credential(key, instance)}
-        click.echo(json.dumps(env) if as_json else env[Env.INSTANCE_CREDENTIAL.value])
+        env = ({Env.NODE_CREDENTIAL.value: credentials.node_credential_of(key, instance, stage, node)} if node
+               else {Env.INSTANCE_CREDENTIAL.value: credentials.instance_credential(key, instance)})
+        click.echo(json.dumps(env) if as_json else next(iter(env.values())))
         return
+    if node is not None:
+        raise CoralError("--node names a node of the instance that --credential names.",
+                         "pass --credential INSTANCE --node NODE --stage S")
     env = {**CurveKeys.generate().env(), Env.REGISTRATION_KEY.value: credentials.generate()}
     click.echo(json.dumps(env) if as_json else "\n".join(f"{k}={v}" for k, v in env.items()))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from coral_dagster.catalog.scenarios import MAX_N_MAX, MAX_RHO
+from coral_dagster.app.template_library import MAX_N_MAX, MAX_RHO
 from coral_dagster.cli._out import (POSITIVE, SCENARIO_HELP, FiniteFloat, db_option, emit, emit_json, emit_table,
                                    json_option)
 from coral_dagster.vocab import PHASES, T_HAT_RULE_NAMES
@@ -13,13 +13,6 @@ t_hat_rule_option = click.option(
     "--t-hat-rule", "t_hat_rule", type=click.Choice(T_HAT_RULE_NAMES), default=None,
     help="Rule T̂ is computed by (default: the scenario's `templates: {t_hat_rule}`, else slo): paper, the paper's "
          "per-stage rule (ℓ/S, no margin or queueing, no activation charge, KV for one batch); slo, ours.")
-
-
-def with_t_hat_rule(scn, t_hat_rule: str | None):
-    """The scenario with T̂ rule `t_hat_rule` (None: its own)."""
-    import dataclasses
-
-    return scn if t_hat_rule is None else dataclasses.replace(scn, t_hat_rule=t_hat_rule)
 
 
 def _template_dict(t) -> dict:
@@ -62,11 +55,11 @@ def cli() -> None:
 def best(model: str, phase: str, nodes: str, slo_ms: float | None, prefill_slo_ms: float | None, method: str,
          scenario: str | None, time_limit_s: float, explain: bool, t_hat_rule: str | None, as_json: bool) -> None:
     """The best placement and throughput of one node multiset."""
-    from coral_dagster.templates.best import best_for_nodes
+    from coral_dagster.app.template_library import best_template
 
-    t, tables, solve_s = best_for_nodes(model, phase, nodes, slo_ms=slo_ms, prefill_slo_ms=prefill_slo_ms,
-                                        scenario=scenario, method=method, time_limit_s=time_limit_s,
-                                        t_hat_rule=t_hat_rule)
+    t, tables, solve_s = best_template(model, phase, nodes, slo_ms=slo_ms, prefill_slo_ms=prefill_slo_ms,
+                                       scenario=scenario, method=method, time_limit_s=time_limit_s,
+                                       t_hat_rule=t_hat_rule)
     out = _template_dict(t) | {"method": method, "solve_s": solve_s, "t_hat_rule": tables.workload.rule,
                                "stage_budget_ms": tables.budget_ms(len(t.stages)),
                                "prompt_tokens": tables.workload.prompt_tokens,
@@ -113,28 +106,20 @@ def build(scenario: str, models: str | None, processes: int | None, no_prune: bo
     """Build a scenario's template library and store it in DuckDB under its library key (the digest of what the
     templates depend on: another scenario, or the same one with other --n-max / --rho / --t-hat-rule, keeps its own
     library)."""
-    import dataclasses
+    from coral_dagster.app.template_library import build_and_store, library_scenario
 
-    from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.store import Store
-    from coral_dagster.templates.library import build_library_with_stats, store_library
-
-    scn = with_t_hat_rule(load_scenario(scenario), t_hat_rule)
-    scn = dataclasses.replace(scn, n_max=scn.n_max if n_max is None else n_max, rho=scn.rho if rho is None else rho)
-    templates, stats = build_library_with_stats(
-        scn, processes=processes, progress=not as_json, prune=not no_prune,
-        models=[m.strip() for m in models.split(",")] if models else None)
-    store = Store(db_path)
-    rows = store_library(store, templates, scn)
+    scn = library_scenario(scenario, t_hat_rule, n_max, rho)
+    rows, stats, db = build_and_store(scn, db_path, processes=processes, progress=not as_json, prune=not no_prune,
+                                      models=[m.strip() for m in models.split(",")] if models else None)
     per_key = stats.as_frame()
     if as_json:
         emit_json({"scenario": stats.scenario, "library_key": scn.library_key, "t_hat_rule": scn.t_hat_rule,
-                   "templates": rows, "db": str(store.path),
+                   "templates": rows, "db": str(db),
                    "tables_s": stats.tables_s, "optimize_s": stats.optimize_s, "total_s": stats.total_s,
                    "processes": stats.processes, "per_model_phase": per_key.to_dict(orient="records")})
         return
     emit_table(per_key, f"templates of {stats.scenario} (library {scn.library_key}, T̂ rule {scn.t_hat_rule})")
-    click.echo(f"{rows} templates stored in {store.path} in {stats.total_s:.1f} s on {stats.processes} process(es)")
+    click.echo(f"{rows} templates stored in {db} in {stats.total_s:.1f} s on {stats.processes} process(es)")
 
 
 @cli.command(name="list")
@@ -149,17 +134,7 @@ def build(scenario: str, models: str | None, processes: int | None, no_prune: bo
 def list_(scenario: str, model: str | None, phase: str | None, limit: int, t_hat_rule: str | None,
           db_path: str | None, as_json: bool) -> None:
     """Stored templates of a scenario, highest throughput first."""
-    from coral_dagster.catalog.scenarios import load_scenario
-    from coral_dagster.errors import CoralError
-    from coral_dagster.store import Store
-    from coral_dagster.templates.library import TEMPLATES_TABLE
+    from coral_dagster.app.template_library import stored_templates
 
-    store, key = Store(db_path), with_t_hat_rule(load_scenario(scenario), t_hat_rule).library_key
-    if "library_key" not in store.columns(TEMPLATES_TABLE):
-        raise CoralError(f"no template library of the current format in {store.path}.",
-                         f"run `coral templates build --scenario {scenario}`.")
-    sql = (f"SELECT model, phase, slo_ms, nodes, n_stages, tokens_per_s, bound, pp_partition FROM {TEMPLATES_TABLE} "
-           "WHERE library_key = ? AND (? IS NULL OR model = ?) AND (? IS NULL OR phase = ?) "
-           "ORDER BY tokens_per_s DESC, nodes LIMIT ?")
-    df = store.query(sql, [key, model, model, phase, phase, limit])
+    df = stored_templates(scenario, t_hat_rule, db_path, model, phase, limit)
     emit(df, as_json, f"templates of {scenario}")

@@ -37,3 +37,21 @@ class FiniteFloat(click.ParamType):
 
 POSITIVE = FiniteFloat(0.0, low_open=True)
 NON_NEGATIVE = FiniteFloat(0.0)
+
+
+def _price_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """The price file --prices names, checked now; None: the default (`$CORAL_PRICES`, else the bundled rows)."""
+    from coral_dagster.app.prices import checked_price_file
+    from coral_dagster.errors import CoralError
+
+    try:
+        return checked_price_file(value) if value else None
+    except CoralError as exc:
+        raise click.BadParameter(str(exc), ctx, param) from None
+
+
+#: --prices as an argument of the command (`prices_path`), passed on to what it plans with.
+prices_path_option = click.option(
+    "--prices", "prices_path", type=click.Path(exists=True, dir_okay=False), default=None, callback=_price_file,
+    help="Price CSV (region,node,instance_type,usd_per_hour[,spot_usd_per_hour]) to plan with instead of the "
+         "bundled SkyPilot rows (default: $CORAL_PRICES, else $CORAL_DATA_DIR/prices).")

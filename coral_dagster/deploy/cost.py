@@ -57,6 +57,11 @@ def deployment_cost(plan: Plan, plan_id: str, prices: pd.DataFrame, source: str)
         sizes = " + ".join(f"{k} × {gb} GB" for gb, k in sorted(by_size.items(), reverse=True))
         unpriced.append(f"disks: {sizes} = {sum(gb for _, gb in disks):,} GB: not priced (no disk prices in "
                         f"{source})")
-    return DeploymentCost(sum(n.usd_per_hour for n in gpu), sum(n.usd_per_hour or 0.0 for n in cpu), len(gpu),
-                          len(cpu), tuple(unpriced), disks)
+    gpu_usd_per_hour = 0.0
+    for n in gpu:
+        if n.usd_per_hour is None:
+            raise RuntimeError(f"{n.role} {n.cluster_name} has no price: the deployment spec prices every GPU node")
+        gpu_usd_per_hour += n.usd_per_hour
+    return DeploymentCost(gpu_usd_per_hour, sum(n.usd_per_hour or 0.0 for n in cpu), len(gpu), len(cpu),
+                          tuple(unpriced), disks)
 

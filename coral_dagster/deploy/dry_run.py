@@ -3,7 +3,8 @@
 A cluster kind is one role on one kind of machine in one region (resources, ports, and the envs its clusters
 share); `launch.sh` launches every cluster of the plan from its kind's YAML in launch order (`sky launch -c NAME
 --env …`), keeps each address the later clusters are wired to in a shell variable (one `sky status --ip` per
-wired cluster), and ends with the coordinator's OpenAI URL. SkyPilot's multi-task YAMLs (`---`-separated tasks
+wired cluster), and ends with the OpenAI URL clients call (the primary coordinator's, HTTPS unless `--plain-http`)
+and the standby's that takes over from it. SkyPilot's multi-task YAMLs (`---`-separated tasks
 run as a pipeline by `sky jobs launch`) run each task after the previous one has finished, which suits batch
 pipelines, not clusters that serve together and are wired by address; one YAML per kind plus a script keeps
 each file one ordinary `sky launch` task.
@@ -15,15 +16,18 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from coral_dagster.deploy import tasks
 from coral_dagster.deploy.spec import COORDINATOR_SLOT, GPU_ROLES, NodeSpec
+from coral_dagster.files import SCRIPT_MODE, make_dir, write_file
 from coral_dagster.runtime.protocol import Env
 
 if TYPE_CHECKING:
     from coral_dagster.deploy.reconcile import Diff
 
+# How a dry run writes elsewhere, for messages about a folder it cannot write.
+OUT_FIX = "pass another folder as --out"
 # Envs that name one cluster: always given per cluster on `sky launch`, never in a kind's YAML.
 IDENTITY_ENVS = ("CORAL_NODE", "CORAL_INSTANCE")
 
@@ -41,12 +45,16 @@ class ClusterLaunch:
 
 @dataclass(frozen=True)
 class DryRun:
-    """The kind YAMLs and `launch.sh` a dry run wrote; `launches` in order; `commands` what the script runs."""
+    """The kind YAMLs and `launch.sh` a dry run wrote; `launches` in order; `commands` what the script runs;
+    `endpoint` the OpenAI URL clients call and `failover` the standby's that serves once the primary is gone
+    (`<IP of CLUSTER>` where the cluster is not up yet; None without a coordinator)."""
 
     yaml_paths: tuple[Path, ...]
     script: Path
     launches: tuple[ClusterLaunch, ...]
     commands: tuple[str, ...]
+    endpoint: str | None = None
+    failover: str | None = None
 
 
 def kind_name(node: NodeSpec) -> str:
@@ -63,13 +71,34 @@ def _variable(cluster: str) -> str:
     return "ADDR_" + re.sub(r"[^A-Za-z0-9]", "_", cluster).upper()
 
 
+def _credential_lines(secrets: tuple[str, ...], envs: dict[str, str]) -> list[str]:
+    """Shell lines deriving a node's credentials from CORAL_REGISTRATION_KEY, which stays on this machine, as
+    `coral launch` does (`launcher.resolve_secrets`): the instance's for the node running its scheduler, its slot's
+    for a node joining one, empty otherwise. (An assignment, then `export`: `set -e` stops the script when the
+    derivation fails.)"""
+    from coral_dagster.deploy.launcher import joins_scheduler, runs_scheduler
+
+    instance = shlex.quote(envs.get(Env.INSTANCE, ""))
+    lines = []
+    if Env.INSTANCE_CREDENTIAL in secrets:
+        value = f"$(coral serve keys --credential {instance})" if runs_scheduler(envs) else ""
+        lines.append(f"{Env.INSTANCE_CREDENTIAL}={value}; export {Env.INSTANCE_CREDENTIAL}")
+    if Env.NODE_CREDENTIAL in secrets:
+        value = (f"$(coral serve keys --credential {instance} --node {shlex.quote(envs.get(Env.NODE, ''))} "
+                 f"--stage {int(envs.get(Env.STAGE_RANK, 0))})" if joins_scheduler(envs) else "")
+        lines.append(f"{Env.NODE_CREDENTIAL}={value}; export {Env.NODE_CREDENTIAL}")
+    return lines
+
+
 def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
-    """Write the kind YAMLs and `launch.sh` for what `diff` launches (in order) and removes; addresses of
-    clusters already up are written in."""
+    """Write the kind YAMLs (mode 0644) and `launch.sh` (0755) for what `diff` launches (in order) and removes;
+    addresses of clusters already up are written in. Files are written as `coral_dagster.files` writes: a symbolic
+    link already in `out_dir` is refused, never written through."""
     nodes, coordinator, addresses = diff.nodes_to_launch(), diff.coordinator_cluster, diff.addresses
+    url_scheme = tasks.scheme(diff.plain_http)
     live_coordinator = diff.coordinator is not None and coordinator in addresses
     admission = dict(diff.coordinator.envs).get("CORAL_ADMIT", "") if diff.coordinator and live_coordinator else None
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(out_dir, OUT_FIX)
     configs = {n.cluster_name: tasks.task_config(n) for n in nodes}
     kinds: dict[str, list[NodeSpec]] = {}
     for n in nodes:
@@ -80,13 +109,13 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
         shared = {k: v for k, v in envs[0].items()
                   if k not in IDENTITY_ENVS and all(e.get(k) == v for e in envs[1:])}
         cfg = {**configs[members[0].cluster_name], "name": kind, "envs": shared}
-        paths[kind] = tasks.write_task(cfg, out_dir)
+        paths[kind] = tasks.write_task(cfg, out_dir, OUT_FIX)
         for n, e in zip(members, envs):
             per_cluster[n.cluster_name] = {k: v for k, v in e.items() if k not in shared}
     launches: list[ClusterLaunch] = []
     wired_to: set[str] = set()
     for n in nodes:
-        wires = tasks.wiring(n, coordinator)
+        wires = tasks.wiring(n, diff.coordinator_clusters)
         literal = {k: v for k, v in per_cluster[n.cluster_name].items() if k not in wires}
         known = {env: ",".join(addresses[c] for c in cs) for env, cs in wires.items()
                  if all(c in addresses for c in cs)}
@@ -97,11 +126,7 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
     commands = []
     for n, launch in zip(nodes, launches):
         secrets = tasks.secret_names(n.role)
-        if Env.INSTANCE_CREDENTIAL in secrets:
-            # Derived per instance from CORAL_REGISTRATION_KEY, which stays on this machine.
-            # (An assignment, then `export`: `set -e` stops the script when the derivation fails.)
-            commands.append(f"{Env.INSTANCE_CREDENTIAL}=$(coral serve keys --credential "
-                            f"{shlex.quote(n.env()[Env.INSTANCE])}); export {Env.INSTANCE_CREDENTIAL}")
+        commands += _credential_lines(secrets, n.env())
         line = " ".join(shlex.quote(p) for p in ["sky", "launch", "-y", "-d", "-c", n.cluster_name,
                                                  *[a for s in secrets for a in ("--secret", s)]])
         for key, value in launch.envs:
@@ -118,24 +143,36 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
         if removal.instance_id != COORDINATOR_SLOT:
             commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")
         commands += [tasks.down_command(c) for c in removal.clusters]
-    if coordinator is not None and any(n.cluster_name == coordinator for n in nodes):
-        ip = (f'$(host "${{{_variable(coordinator)}}}")' if coordinator in wired_to
-              else f"$(sky status --ip {shlex.quote(coordinator)})")
-        commands.append(f'echo "OpenAI API: {tasks.HTTP_SCHEME}://{ip}:{tasks.HTTP_PORT}/v1 '
-                        '(api_key: \\$CORAL_API_KEY)"')
+    urls = {c: tasks.http_url(addresses[c], url_scheme) if c in addresses else
+            f"{url_scheme}://<IP of {c}>:{tasks.HTTP_PORT}/v1" for c in diff.coordinator_clusters}
+    if any(n.role == "coordinator" for n in nodes):
+        shown = [f"{url_scheme}://{_shell_ip(c, addresses, wired_to)}:{tasks.HTTP_PORT}/v1"
+                 for c in diff.coordinator_clusters]
+        commands.append(f'echo "OpenAI API: {shown[0]} (api_key: \\$CORAL_API_KEY'
+                        + (f"; if it stops answering, its standby serves at {shown[1]}" if len(shown) > 1 else "")
+                        + ')"')
     script = out_dir / "launch.sh"
     n_gpu = sum(n.role in GPU_ROLES for n in nodes)
     head = [
         "#!/usr/bin/env bash",
         f"# Written by `coral launch --dry-run`: {len(nodes)} cluster(s) ({n_gpu} GPU node(s)) from "
         f"{len(paths)} kind YAML(s) in this folder,",
-        "# launched in order: the coordinator, then each instance head first (a cluster starts after those whose",
+        "# launched in order: the coordinator pair, then each instance head first (a cluster starts after those whose",
         "# addresses it is given). Secrets are read from this shell by name: export them first.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
         f'address() {{ echo "tcp://$(sky status --ip "$1"):{tasks.CORAL_PORT}"; }}',
         'host() { local a="${1#tcp://}"; echo "${a%:*}"; }',
     ]
-    script.write_text("\n".join(head + commands) + "\n")
-    script.chmod(0o755)
-    return DryRun(tuple(paths.values()), script, tuple(launches), tuple(commands))
+    write_file(script, "\n".join(head + commands) + "\n", SCRIPT_MODE, fix=OUT_FIX)
+    pair = [urls[c] for c in diff.coordinator_clusters]
+    return DryRun(tuple(paths.values()), script, tuple(launches), tuple(commands), *(pair + [None, None])[:2])
+
+
+def _shell_ip(cluster: str, addresses: Mapping[str, str], wired_to: set[str]) -> str:
+    """A coordinator's IP as launch.sh knows it: recorded, held in its address variable, or asked of SkyPilot."""
+    if cluster in addresses:
+        return tasks.endpoint_ip(addresses[cluster])
+    if cluster in wired_to:
+        return f'$(host "${{{_variable(cluster)}}}")'
+    return f"$(sky status --ip {shlex.quote(cluster)})"

@@ -51,25 +51,52 @@ class Drainer(Protocol):
     def admit(self, coordinator: str, text: str) -> bool: ...
 
 
+def runs_scheduler(task_envs: Mapping[str, str]) -> bool:
+    """Whether a task runs its instance's scheduler: a Coral-runtime head, or a vLLM pipeline's rank 0."""
+    if Env.NODE_RANK.value in task_envs:
+        return str(task_envs[Env.NODE_RANK.value]) == "0"
+    return str(task_envs.get(Env.HEAD.value, "0")) == "1"
+
+
+def joins_scheduler(task_envs: Mapping[str, str]) -> bool:
+    """Whether a task's node says hello to its instance's scheduler (every engine node; a vLLM pipeline's rank 0)."""
+    return runs_scheduler(task_envs) or Env.NODE_RANK.value not in task_envs
+
+
 def resolve_secrets(names: tuple[str, ...], environ: Mapping[str, str] | None = None,
-                    instance: str = "") -> dict[str, str]:
+                    task_envs: Mapping[str, str] | None = None) -> dict[str, str]:
     """The value of each secret from the environment; every one must be set (empty is passed on as empty).
 
-    `CORAL_INSTANCE_CREDENTIAL` is not read but derived for `instance` from `CORAL_REGISTRATION_KEY` (which itself
-    stays on this machine unless the task names it)."""
+    `CORAL_INSTANCE_CREDENTIAL` and `CORAL_NODE_CREDENTIAL` are not read but derived from `CORAL_REGISTRATION_KEY`
+    (which itself stays on this machine unless the task names it) for the task's instance, stage and node
+    (`task_envs`): the instance credential only for the node that runs its scheduler (empty elsewhere), the node
+    credential for the node that joins the scheduler (empty for a vLLM worker rank)."""
     env = os.environ if environ is None else environ
-    credential, registration = Env.INSTANCE_CREDENTIAL.value, Env.REGISTRATION_KEY.value
-    read = [n for n in names if n != credential]
-    needed = read + [registration] if credential in names and registration not in read else read
+    task_envs = task_envs or {}
+    derived = {Env.INSTANCE_CREDENTIAL.value, Env.NODE_CREDENTIAL.value} & set(names)
+    registration = Env.REGISTRATION_KEY.value
+    read = [n for n in names if n not in derived]
+    needed = read + [registration] if derived and registration not in read else read
     missing = [n for n in needed if n not in env]
     if missing:
         raise CoralError(f"secret(s) {', '.join(missing)} are not set in this shell.",
                          f"export {missing[0]}=... (HF_TOKEN from huggingface.co/settings/tokens, empty for ungated "
                          "models; the CURVE variables and CORAL_REGISTRATION_KEY from `coral serve keys`).")
     out = {n: env[n] for n in read}
-    if credential in names:
-        if not instance:
-            raise CoralError(f"{credential} is asked for a task without CORAL_INSTANCE.",
-                             "name the instance in the task's envs (the deploy spec does)")
-        out[credential] = credentials.instance_credential(env[registration], instance)
+    if not derived:
+        return out
+    instance = str(task_envs.get(Env.INSTANCE.value, ""))
+    if not instance:
+        raise CoralError(f"{', '.join(sorted(derived))} asked for a task without CORAL_INSTANCE.",
+                         "name the instance in the task's envs (the deploy spec does)")
+    head = runs_scheduler(task_envs)
+    if Env.INSTANCE_CREDENTIAL.value in derived:
+        out[Env.INSTANCE_CREDENTIAL.value] = (credentials.instance_credential(env[registration], instance)
+                                              if head else "")
+    if Env.NODE_CREDENTIAL.value in derived:
+        joins = joins_scheduler(task_envs)
+        stage = int(task_envs.get(Env.STAGE_RANK.value, 0))
+        node = str(task_envs.get(Env.NODE.value, ""))
+        out[Env.NODE_CREDENTIAL.value] = (credentials.node_credential_of(env[registration], instance, stage, node)
+                                          if joins else "")
     return out

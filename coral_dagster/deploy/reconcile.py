@@ -19,7 +19,7 @@ from coral_dagster.deploy import state, tasks
 from coral_dagster.deploy.launcher import Drainer, Launcher, LaunchRequest
 from coral_dagster.deploy.names import plan_tag
 from coral_dagster.deploy.spec import (
-    COORDINATOR_SLOT, InstanceShape, InstanceSpec, NodeSpec, build_coordinator, build_instance, coordinator_region,
+    COORDINATOR_SLOT, InstanceShape, InstanceSpec, NodeSpec, build_coordinators, build_instance, coordinator_region,
     instance_shapes,
 )
 from coral_dagster.errors import CoralError
@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Removal:
-    """A recorded instance (or the coordinator) to drain and take down."""
+    """A recorded instance (or a coordinator) to drain and take down."""
 
     instance_id: str
     clusters: tuple[str, ...]
@@ -41,8 +41,9 @@ class Removal:
 class Diff:
     """What one reconcile does: nodes to launch (new or resumed), instances to remove, instances left alone.
 
-    `addresses` are the recorded `tcp://ip:port` of clusters already up; `coordinator` is the live or new
-    coordinator (None when the plan is empty).
+    `addresses` are the recorded `tcp://ip:port` of clusters already up; `coordinator` and `standby` are the live
+    or new coordinator pair (None when the plan is empty); `plain_http` whether they serve plain HTTP
+    (`coral launch --plain-http`) rather than HTTPS.
     """
 
     plan_id: str
@@ -51,19 +52,31 @@ class Diff:
     remove: tuple[Removal, ...]
     keep: tuple[str, ...]
     addresses: Mapping[str, str] = field(default_factory=dict)
+    standby: NodeSpec | None = None
+    plain_http: bool = False
+
+    @property
+    def coordinators(self) -> tuple[NodeSpec, ...]:
+        """The planned coordinator pair, primary first."""
+        return tuple(n for n in (self.coordinator, self.standby) if n is not None)
 
     def nodes_to_launch(self) -> list[NodeSpec]:
-        """Nodes not yet up, in launch order: the coordinator, then each instance in its launch order."""
-        nodes = [self.coordinator] if self.coordinator is not None else []
+        """Nodes not yet up, in launch order: the coordinator pair, then each instance in its launch order."""
+        nodes = list(self.coordinators)
         nodes += [n for inst in self.launch for n in inst.nodes]
         return [n for n in nodes if n.cluster_name not in self.addresses]
 
     @property
     def coordinator_cluster(self) -> str | None:
-        """The coordinator instances talk to: the planned one, else a live one being removed last."""
+        """The coordinator instances are drained through: the planned primary, else a live one being removed last."""
         if self.coordinator is not None:
             return self.coordinator.cluster_name
         return next((r.clusters[0] for r in self.remove if r.instance_id == COORDINATOR_SLOT), None)
+
+    @property
+    def coordinator_clusters(self) -> tuple[str, ...]:
+        """The clusters every instance's scheduler is given: the planned pair, primary first."""
+        return tuple(n.cluster_name for n in self.coordinators)
 
     @property
     def changes(self) -> bool:
@@ -109,13 +122,15 @@ def _recorded_instances(records: pd.DataFrame) -> list[_Recorded]:
     return [_Recorded(str(iid), g) for iid, g in rows.groupby("instance_id", sort=True)]
 
 
-def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFrame, engine: str = "coral") -> Diff:
+def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFrame, engine: str = "coral",
+              plain_http: bool = False) -> Diff:
     """Compare the plan with the recorded deployment; pure (reads nothing, writes nothing).
 
     Instances match across plans by fingerprint (template, layer split, node order, region, spot): of the
     recorded active replicas of a fingerprint the lowest-numbered `count` stay, the rest go; missing replicas
     are launched under the smallest free replica numbers with names from this plan. `engine` is the one the plan
     was made for (`app.plans.plan_engine`): under `vllm` its prefill and decode instances are vLLM PD instances.
+    A fresh coordinator pair serves HTTPS unless `plain_http`.
     """
     shapes = instance_shapes(plan, prices, engine)
     recorded = _recorded_instances(records)
@@ -143,11 +158,11 @@ def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFr
                 staying.append((r, spec))
             else:
                 removals.append(Removal(r.instance_id, r.open_clusters, "recorded nodes differ from the plan's"))
-        for r, spec in staying[:shape.count]:
-            if spec is None:
+        for r, rebuilt in staying[:shape.count]:
+            if rebuilt is None:
                 keep.append(r.instance_id)
             else:
-                launch.append(spec)
+                launch.append(rebuilt)
         for r, _ in staying[shape.count:]:
             removals.append(Removal(r.instance_id, r.open_clusters, "more replicas than the plan wants"))
         used = {r.replica for r in recorded if r.fingerprint == fp and r.state != "settled"}
@@ -159,17 +174,20 @@ def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFr
             launch.append(build_instance(shape, replica, plan_id, next_index))
             next_index += 1
 
-    coordinator = _coordinator_diff(shapes, plan_id, records, removals, plan)
+    pair = _coordinator_diff(shapes, plan_id, records, removals, plan, plain_http)
     up = records[(records.status == "launched") & records.address.notna()]
     removals.sort(key=lambda r: (r.instance_id == COORDINATOR_SLOT, r.instance_id))
     launch.sort(key=lambda i: (i.plan_id != plan_id, i.plan_id, i.index))
-    return Diff(plan_id, coordinator, tuple(launch), tuple(removals), tuple(sorted(keep)),
-                dict(zip(up.cluster_name, up.address)))
+    primary, standby = pair if pair else (None, None)
+    return Diff(plan_id, primary, tuple(launch), tuple(removals), tuple(sorted(keep)),
+                dict(zip(up.cluster_name, up.address)), standby,
+                plain_http if primary is None else primary.phase != tasks.HTTPS_SCHEME)
 
 
 def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: pd.DataFrame,
-                      removals: list[Removal], plan: Plan) -> NodeSpec | None:
-    """Keep a live coordinator while any instance is planned, start one when none is live, remove it otherwise."""
+                      removals: list[Removal], plan: Plan, plain_http: bool) -> tuple[NodeSpec, NodeSpec] | None:
+    """Keep a live coordinator pair while any instance is planned (starting whichever of the pair is not live, with
+    the scheme the live one serves), start a pair when none is live, remove them otherwise."""
     rows = records[records.role == "coordinator"]
     for r in rows[rows.status == "draining"].itertuples():
         removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "removal left unfinished by an earlier run"))
@@ -179,8 +197,10 @@ def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: 
             removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "the plan has no instances"))
         return None
     if len(live):
-        return build_coordinator(str(live.plan_id.iloc[0]), str(live.region.iloc[0]), shapes, plan)
-    return build_coordinator(plan_id, coordinator_region(shapes), shapes, plan)
+        first = live.iloc[0]
+        return build_coordinators(str(first.plan_id), str(first.region), shapes, plan,
+                                  plain_http=first.phase != tasks.HTTPS_SCHEME)
+    return build_coordinators(plan_id, coordinator_region(shapes), shapes, plan, plain_http=plain_http)
 
 
 @dataclass(frozen=True)
@@ -231,17 +251,18 @@ class _Run:
 
 def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, drainer: Drainer,
               prices: pd.DataFrame | None = None, drain_timeout_s: float = 600.0,
-              engine: str = "coral") -> ReconcileReport:
+              engine: str = "coral", plain_http: bool = False) -> ReconcileReport:
     """Make the running deployment match `plan`; running it again with the same plan changes nothing.
 
-    Order: the coordinator (when none is live), then every new or unfinished instance, then removals, so
-    capacity rises before it falls. Raises `CoralError` only when the coordinator cannot start.
+    Order: the coordinator pair (whichever is not live: primary, then the standby wired to it), then every new or
+    unfinished instance (each scheduler wired to both), then removals, so capacity rises before it falls. Raises
+    `CoralError` only when a coordinator cannot start. A fresh pair serves HTTPS unless `plain_http`.
     """
     if prices is None:
         from coral_dagster.catalog.prices import load_node_prices
         prices = load_node_prices()
     records = state.read_nodes(store)
-    diff = plan_diff(plan, plan_id, records, prices, engine)
+    diff = plan_diff(plan, plan_id, records, prices, engine, plain_http)
     run = _Run(store, f"{state.now_utc():%Y%m%dT%H%M%S%f}-{plan_tag(plan_id)}", diff.addresses)
     settled = set(records.cluster_name[records.status.isin(state.SETTLED)])
     known = set(records.cluster_name)
@@ -256,11 +277,12 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
 
     coordinator = diff.coordinator_cluster
     live = coordinator in run.addresses
-    if diff.coordinator is not None and not live:
-        _launch_coordinator(diff.coordinator, launcher, run, len(diff.keep))
+    for node in diff.coordinators:
+        if node.cluster_name not in run.addresses:
+            _launch_coordinator(node, launcher, run, len(diff.keep))
     for inst in diff.launch:
-        _launch_instance(inst, coordinator, launcher, run)
-    if diff.coordinator is not None and live:
+        _launch_instance(inst, diff.coordinator_clusters, launcher, run)
+    if diff.coordinator is not None and live and coordinator is not None:
         _set_admission(diff.coordinator, run.addresses[coordinator], drainer, run)
     for removal in diff.remove:
         _remove(removal, run.addresses.get(coordinator or ""), launcher, drainer, drain_timeout_s, run)
@@ -270,9 +292,9 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
                            tuple(run.downed), diff.keep, tuple(run.messages))
 
 
-def _launch_node(node: NodeSpec, coordinator: str | None, launcher: Launcher, run: _Run) -> None:
+def _launch_node(node: NodeSpec, coordinators: tuple[str, ...], launcher: Launcher, run: _Run) -> None:
     """Launch one node wired to the addresses known so far; record it launched with its own address."""
-    wired = tasks.wired_envs(node, coordinator, run.addresses)
+    wired = tasks.wired_envs(node, coordinators, run.addresses)
     request = LaunchRequest(node.cluster_name, tasks.task_config(node, wired), tasks.secret_names(node.role))
     result = launcher.launch(request)
     address = tasks.node_address(result.head_ip)
@@ -282,9 +304,10 @@ def _launch_node(node: NodeSpec, coordinator: str | None, launcher: Launcher, ru
 
 
 def _launch_coordinator(node: NodeSpec, launcher: Launcher, run: _Run, kept: int) -> None:
-    """Start the coordinator; without it nothing can be wired, so a failure ends the run (instances stay pending)."""
+    """Start a coordinator of the pair; without both no instance is wired to survive losing one, so a failure ends
+    the run (instances stay pending)."""
     try:
-        _launch_node(node, None, launcher, run)
+        _launch_node(node, (), launcher, run)
     except Exception as exc:
         run.set(node.cluster_name, "failed", "launch-failed", str(exc))
         run.failed.append(node.cluster_name)
@@ -311,12 +334,12 @@ def _set_admission(node: NodeSpec, address: str, drainer: Drainer, run: _Run) ->
         run.failed.append(node.cluster_name)
 
 
-def _launch_instance(inst: InstanceSpec, coordinator: str | None, launcher: Launcher, run: _Run) -> None:
+def _launch_instance(inst: InstanceSpec, coordinators: tuple[str, ...], launcher: Launcher, run: _Run) -> None:
     for node in inst.nodes:
         if node.cluster_name in run.addresses:
             continue
         try:
-            _launch_node(node, coordinator, launcher, run)
+            _launch_node(node, coordinators, launcher, run)
         except Exception as exc:
             run.set(node.cluster_name, "failed", "launch-failed", str(exc))
             _roll_back(inst, node.cluster_name, launcher, run, str(exc))
@@ -370,7 +393,7 @@ def _remove(removal: Removal, coordinator: str | None, launcher: Launcher, drain
 
 
 def teardown_removals(records: pd.DataFrame) -> tuple[Removal, ...]:
-    """Every recorded cluster that is not down yet, by instance, the coordinator last (it drains the others)."""
+    """Every recorded cluster that is not down yet, by instance, the coordinator pair last (it drains the others)."""
     removals = [Removal(r.instance_id, r.open_clusters, "coral down") for r in _recorded_instances(records)
                 if r.open_clusters]
     coord = records[(records.role == "coordinator") & ~records.status.isin(state.SETTLED)]

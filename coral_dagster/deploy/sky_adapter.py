@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from coral_dagster.deploy.launcher import LaunchError, LaunchRequest, LaunchResult, resolve_secrets
-from coral_dagster.runtime.protocol import Env
 
 log = logging.getLogger(__name__)
 
@@ -20,8 +19,7 @@ def to_sky_task(request: LaunchRequest, environ: Mapping[str, str] | None = None
     """
     import sky
 
-    secrets = resolve_secrets(request.secret_names, environ,
-                              instance=str(request.config.get("envs", {}).get(Env.INSTANCE.value, "")))
+    secrets = resolve_secrets(request.secret_names, environ, task_envs=request.config.get("envs", {}))
     task = sky.Task.from_yaml_config(copy.deepcopy(dict(request.config)),
                                      secrets_overrides=sorted(secrets.items()))
     task.validate()

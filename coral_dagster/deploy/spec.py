@@ -1,4 +1,4 @@
-"""A plan as nodes to run: one cluster per GPU node (an instance's first also runs its scheduler), one coordinator."""
+"""A plan as nodes to run: a cluster per GPU node (an instance's first also runs its scheduler), a coordinator pair."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import pandas as pd
 
@@ -20,9 +20,13 @@ from coral_dagster.templates.engines import KV_ROLES, engine_connector, vllm_kv_
 from coral_dagster.templates.types import Template
 
 Role = Literal["coordinator", "engine", "vllm"]
-# Roles whose clusters carry GPUs (planned and priced); the coordinator is the one CPU VM.
+# Roles whose clusters carry GPUs (planned and priced); the coordinators are CPU VMs.
 GPU_ROLES: tuple[Role, ...] = ("engine", "vllm")
 COORDINATOR_SLOT = "coordinator"
+# The coordinator pair's slots: the primary serves, the standby (told the primary's address) takes over when the
+# primary stops answering its health probe; every scheduler is given both addresses.
+PRIMARY_SLOT = "primary"
+STANDBY_SLOT = "standby"
 # One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
 CORAL_PORT = 5555
 # The coordinator's OpenAI-compatible HTTP front door, opened to clients (they send the deployment's API key).
@@ -98,7 +102,7 @@ class NodeSpec:
     node: str = ""
     instance_type: str = ""
     use_spot: bool = False
-    # $/h from the plan's price rows; None: the rows price no such node (the coordinator's CPU VM).
+    # $/h from the plan's price rows; None: the rows price no such node (a coordinator's CPU VM).
     usd_per_hour: float | None = None
     envs: tuple[tuple[str, str], ...] = ()
     # Env name -> clusters whose addresses fill it at launch (launched before this node).
@@ -223,9 +227,10 @@ def build_instance(shape: InstanceShape, replica: int, plan_id: str, index: int)
     t = shape.template
     instance_id = f"{names.plan_tag(plan_id)}-i{index}"
     slot = f"{shape.fingerprint}#{replica}"
-    common = dict(slot=slot, instance_id=instance_id, plan_id=plan_id, region=shape.region, model=t.model,
-                  phase=t.phase, template_id=t.template_id, replica=replica, instance_index=index,
-                  use_spot=shape.use_spot)
+    # NodeSpec's fields every node of the instance shares, passed by keyword.
+    common: dict[str, Any] = dict(slot=slot, instance_id=instance_id, plan_id=plan_id, region=shape.region,
+                                  model=t.model, phase=t.phase, template_id=t.template_id, replica=replica,
+                                  instance_index=index, use_spot=shape.use_spot)
     if not vllm_violations(t, shape.kv_connector):
         return _vllm_instance(shape, replica, plan_id, index, instance_id, slot, common)
     stage_names = [[names.engine_name(plan_id, t.model, t.phase, index, s, k) for k in range(len(stage.nodes))]
@@ -287,7 +292,7 @@ def _kv_envs(shape: InstanceShape, instance_id: str) -> dict[str, str]:
     if shape.kv_connector is None:
         return {}
     config = vllm_kv_transfer_config(shape.template.phase, shape.kv_connector, engine_id=instance_id)
-    envs = {Env.KV_TRANSFER_CONFIG: json.dumps(config, sort_keys=True, separators=(",", ":"))}
+    envs: dict[str, str] = {Env.KV_TRANSFER_CONFIG: json.dumps(config, sort_keys=True, separators=(",", ":"))}
     if shape.kv_connector == "NixlConnector":
         envs["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(NIXL_SIDE_CHANNEL_PORT)
     return envs
@@ -301,28 +306,42 @@ def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
     return min(nodes, key=lambda r: (-nodes[r], r))
 
 
-def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
-                      plan: Plan | None = None) -> NodeSpec:
-    """The deployment's one coordinator (request router and drain point), a CPU VM the price rows do not price;
-    it lists the models of `shapes` before their instances register and admits the request rates and bucket depths
-    of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator --admit`) where it serves less than the demand."""
+def build_coordinators(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
+                       plan: Plan | None = None, plain_http: bool = False) -> tuple[NodeSpec, NodeSpec]:
+    """The deployment's coordinator pair (request router and drain point), CPU VMs the price rows do not price:
+    the primary, then a warm standby wired to the primary's address (`CORAL_PRIMARY`) that serves once the
+    primary fails its health probe. Both list the models of `shapes` before their instances register and admit
+    the request rates and bucket depths of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator --admit`)
+    where it serves less than the demand. They serve HTTPS unless `plain_http` (`CORAL_PLAIN_HTTP=1`); the
+    scheme is kept in `phase`, which a coordinator otherwise leaves empty."""
     from coral_dagster.runtime.config import format_admit
 
-    name = names.coordinator_name(plan_id)
-    envs = {Env.MODEL: " ".join(sorted({s.template.model for s in shapes}))}
+    envs: dict[str, str] = {Env.MODEL: " ".join(sorted({s.template.model for s in shapes}))}
     if plan is not None and plan.admission.limits:
         adm = plan.admission
         envs[Env.ADMIT] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
-    return NodeSpec(cluster_name=name, role="coordinator", slot=COORDINATOR_SLOT, instance_id=COORDINATOR_SLOT,
-                    plan_id=plan_id, region=region, envs=_env_items(envs))
+    if plain_http:
+        envs["CORAL_PLAIN_HTTP"] = "1"
+    primary = names.coordinator_name(plan_id)
+    standby = f"{primary}-b"
+    common: dict[str, Any] = dict(role="coordinator", instance_id=COORDINATOR_SLOT, plan_id=plan_id, region=region,
+                                  phase="http" if plain_http else "https", envs=_env_items(envs))
+    return (NodeSpec(cluster_name=primary, slot=PRIMARY_SLOT, **common),
+            NodeSpec(cluster_name=standby, slot=STANDBY_SLOT, wires=(("CORAL_PRIMARY", (primary,)),), **common))
+
+
+def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
+                      plan: Plan | None = None) -> NodeSpec:
+    """The primary of `build_coordinators`."""
+    return build_coordinators(plan_id, region, shapes, plan)[0]
 
 
 def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame, engine: str = "coral") -> tuple[NodeSpec, ...]:
-    """Every cluster of the plan deployed from nothing, in launch order: the coordinator, then each instance."""
+    """Every cluster of the plan deployed from nothing, in launch order: the coordinator pair, then each instance."""
     shapes = instance_shapes(plan, prices, engine)
     if not shapes:
         return ()
-    nodes = [build_coordinator(plan_id, coordinator_region(shapes), shapes, plan)]
+    nodes = list(build_coordinators(plan_id, coordinator_region(shapes), shapes, plan))
     replicas = [(shape, r) for shape in shapes for r in range(shape.count)]
     for index, (shape, replica) in enumerate(replicas):
         nodes += build_instance(shape, replica, plan_id, index).nodes

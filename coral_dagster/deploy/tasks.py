@@ -52,12 +52,12 @@ def disk_gb(role: str) -> int:
     return role_template(role)["resources"]["disk_size"]
 
 
-def wiring(node: NodeSpec, coordinator_cluster: str | None) -> dict[str, tuple[str, ...]]:
-    """Env name -> clusters whose addresses fill it: the node's own wires (its instance's head), and the
-    coordinator for the node that runs the instance's scheduler."""
+def wiring(node: NodeSpec, coordinators: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """Env name -> clusters whose addresses fill it: the node's own wires (its instance's head, or a standby's
+    primary), and every coordinator of the pair for the node that runs the instance's scheduler."""
     wires = dict(node.wires)
-    if coordinator_cluster and node.runs_scheduler:
-        wires["CORAL_COORDINATOR"] = (coordinator_cluster,)
+    if coordinators and node.runs_scheduler:
+        wires["CORAL_COORDINATOR"] = coordinators
     return wires
 
 
@@ -75,10 +75,10 @@ def ports(node: NodeSpec) -> int | list[int]:
     return CORAL_PORT
 
 
-def wired_envs(node: NodeSpec, coordinator_cluster: str | None, addresses: Mapping[str, str]) -> dict[str, str]:
+def wired_envs(node: NodeSpec, coordinators: tuple[str, ...], addresses: Mapping[str, str]) -> dict[str, str]:
     """The wiring envs as comma-separated `tcp://ip:port` lists; a cluster without a known address is an error."""
     out = {}
-    for env, clusters in sorted(wiring(node, coordinator_cluster).items()):
+    for env, clusters in sorted(wiring(node, coordinators).items()):
         missing = [c for c in clusters if c not in addresses]
         if missing:
             raise CoralError(f"{node.cluster_name} needs the address of {missing[0]}, which has none recorded.",
@@ -114,12 +114,13 @@ _Dumper.add_representer(str, lambda d, s: d.represent_scalar("tag:yaml.org,2002:
                                                              style="|" if "\n" in s else None))
 
 
-def write_task(cfg: dict[str, Any], out_dir: Path) -> Path:
-    """Write one task YAML named after its cluster; returns its path."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{cfg['name']}.yaml"
-    path.write_text(yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=False))
-    return path
+def write_task(cfg: dict[str, Any], out_dir: Path, fix: str = "write to another folder") -> Path:
+    """Write one task YAML named after its cluster into the folder `out_dir` (as `coral_dagster.files` writes:
+    mode 0644, no symbolic link followed; `fix` says how to write elsewhere); returns its path."""
+    from coral_dagster.files import write_file
+
+    return write_file(out_dir / f"{cfg['name']}.yaml",
+                      yaml.dump(cfg, Dumper=_Dumper, sort_keys=False, default_flow_style=False), fix=fix)
 
 
 def node_address(ip: str) -> str:
@@ -127,14 +128,23 @@ def node_address(ip: str) -> str:
     return f"tcp://{ip}:{CORAL_PORT}"
 
 
-# The coordinator task serves plain HTTP unless CORAL_TLS_CERTFILE/KEYFILE are set (README, "Launch").
-HTTP_SCHEME = "http"
+# A launched coordinator serves HTTPS (its own certificate, or one generated on its VM) unless launched with
+# CORAL_PLAIN_HTTP=1 (`coral launch --plain-http`); docs/security.md, "No single coordinator".
+HTTPS_SCHEME, PLAIN_SCHEME = "https", "http"
 
 
-def http_url(address: str) -> str:
+def scheme(plain_http: bool) -> str:
+    return PLAIN_SCHEME if plain_http else HTTPS_SCHEME
+
+
+def endpoint_ip(address: str) -> str:
+    """The IP of a `tcp://ip:port` address."""
+    return address.removeprefix("tcp://").rsplit(":", 1)[0]
+
+
+def http_url(address: str, url_scheme: str = HTTPS_SCHEME) -> str:
     """The OpenAI base URL of a coordinator recorded at `tcp://ip:port`."""
-    ip = address.removeprefix("tcp://").rsplit(":", 1)[0]
-    return f"{HTTP_SCHEME}://{ip}:{HTTP_PORT}/v1"
+    return f"{url_scheme}://{endpoint_ip(address)}:{HTTP_PORT}/v1"
 
 
 def down_command(cluster_name: str) -> str:

@@ -42,9 +42,10 @@ def in_sample_errors(fit: RooflineFit | None = None, df: pd.DataFrame | None = N
 
 def record_errors(errors: dict[str, dict], path: Path | None = None) -> Path:
     """Store `errors` as the regression baseline the tests compare against."""
-    path = Path(path or paths.PROFILES_DIR / RECORD_FILE)
-    path.write_text(json.dumps({"in_sample": errors}, indent=1, sort_keys=True) + "\n")
-    return path
+    from coral_dagster.files import write_file
+
+    return write_file(path or paths.PROFILES_DIR / RECORD_FILE,
+                      json.dumps({"in_sample": errors}, indent=1, sort_keys=True) + "\n")
 
 
 def recorded_errors(path: Path | None = None) -> dict[str, dict]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from datetime import date
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -78,12 +79,13 @@ class RooflineFit:
     def row_params(self, gpus: np.ndarray | list[str], links: np.ndarray | list[str]) -> RowParams:
         """Parameters broadcast to rows of the given GPU type and link names."""
         gpus, links = np.asarray(gpus), np.asarray(links)
-        per_gpu = {k: np.empty(len(gpus)) for k in GPU_PARAMS}
+        # Any: RowParams takes these arrays by keyword beside scalar fields, which mypy checks each against.
+        per_gpu: dict[str, Any] = {k: np.empty(len(gpus)) for k in GPU_PARAMS}
         for g in np.unique(gpus):
             values, mask = self.gpu_values(str(g)), gpus == g
             for k in GPU_PARAMS:
                 per_gpu[k][mask] = values[k]
-        per_link = {k: np.empty(len(links)) for k in LINK_PARAMS}
+        per_link: dict[str, Any] = {k: np.empty(len(links)) for k in LINK_PARAMS}
         for name in np.unique(links):
             for k in LINK_PARAMS:
                 per_link[k][links == name] = self.links[str(name)][k]
@@ -214,9 +216,9 @@ def default_memory_params() -> MemoryParams:
 
 
 def save_fit(fit: RooflineFit, path: Path | None = None) -> Path:
-    path = Path(path or paths.PROFILES_DIR / FIT_FILE)
-    path.write_text(json.dumps(fit.to_json(), indent=1, sort_keys=True) + "\n")
-    return path
+    from coral_dagster.files import write_file
+
+    return write_file(path or paths.PROFILES_DIR / FIT_FILE, json.dumps(fit.to_json(), indent=1, sort_keys=True) + "\n")
 
 
 @lru_cache(maxsize=4)

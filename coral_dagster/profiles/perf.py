@@ -34,7 +34,7 @@ from coral_dagster.profiles.fit import RooflineFit, load_fit
 from coral_dagster.profiles.measured import load_measured
 from coral_dagster.profiles.roofline import layer_features, layer_ms
 from coral_dagster.profiles.shapes import LayerShape
-from coral_dagster.vocab import Bound, DemandPhase as Phase
+from coral_dagster.vocab import Bound, DEMAND_PHASES, DemandPhase as Phase
 
 #: Prompt length prefill batches are made of, unless a query says otherwise (aiconfigurator tables use the same).
 PREFILL_SEQ_TOKENS = 1024
@@ -93,7 +93,7 @@ class PerfModel:
         return self.curve(model, node, "prefill", seq_tokens or self.prefill_seq_tokens)(tokens)
 
     def decode_ms_per_layer(self, model: ModelSpec | str, node: NodeConfig | str, batch: int,
-                            context_tokens: int) -> float:
+                            context_tokens: float) -> float:
         """Milliseconds one layer takes for one decode iteration of `batch` sequences of `context_tokens` each."""
         if batch < 1:
             raise CoralError(f"decode batch of {batch} sequences.", "ask for at least 1 sequence.")
@@ -104,13 +104,14 @@ class PerfModel:
         ctx = self.prefill_seq_tokens if phase == "prefill" else 1024
         return self.curve(model, node, phase, ctx).source
 
-    def curve(self, model: ModelSpec | str, node: NodeConfig | str, phase: Phase, shape_tokens: int) -> Curve:
+    def curve(self, model: ModelSpec | str, node: NodeConfig | NodeSpec | str, phase: Phase, shape_tokens: int
+              ) -> Curve:
         """The per-layer latency curve over batch for a prompt length (prefill) or context length (decode)."""
         m, n = _model(model), _node(node)
         key = (m.alias, str(n.config), phase, int(shape_tokens))
         curve = self._curves.get(key)
         if curve is None:
-            if phase not in ("prefill", "decode"):
+            if phase not in DEMAND_PHASES:
                 raise CoralError(f"unknown phase {phase!r}.", "use prefill or decode.")
             curve = self._curves[key] = self._build_curve(m, n, phase, int(shape_tokens))
         return curve
@@ -209,11 +210,11 @@ class PerfModel:
 
     # ---- memory ----
 
-    def engine_reserve_bytes(self, model: ModelSpec | str, node: NodeConfig | str) -> float:
+    def engine_reserve_bytes(self, model: ModelSpec | str, node: NodeConfig | NodeSpec | str) -> float:
         """Memory of a node no layer weights or KV cache may use (engine reserve plus embeddings)."""
         return mem.reserve_bytes(_model(model), _node(node), self.fit.memory)
 
-    def max_layers(self, model: ModelSpec | str, node: NodeConfig | str) -> int:
+    def max_layers(self, model: ModelSpec | str, node: NodeConfig | NodeSpec | str) -> int:
         """Most layers whose weights fit beside the engine reserve and `MIN_KV_TOKENS` of KV cache (0 when vLLM
         cannot shard the model over the node's GPUs)."""
         return _max_layers(_model(model), _node(node), self.fit.memory)
@@ -251,7 +252,7 @@ class PerfModel:
         m, n = _model(model), _node(node)
         if layers < 1:
             raise CoralError(f"T̂ asked for {layers} layers.", "ask for 1 or more layers.")
-        if phase not in ("prefill", "decode"):
+        if phase not in DEMAND_PHASES:
             raise CoralError(f"unknown phase {phase!r}.", "use prefill or decode.")
         if layers > _max_layers(m, n, self.fit.memory):
             return ThroughputPoint(0.0, 0, 0.0, "memory")

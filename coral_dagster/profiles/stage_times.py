@@ -5,15 +5,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from coral_dagster.catalog.nodes import NodeConfig
+
+if TYPE_CHECKING:
+    from coral_dagster.catalog.models import ModelSpec
+    from coral_dagster.profiles.perf import PerfModel
 
 
 class StageLatency(Protocol):
     """Iteration times of one node holding `layers` layers of one model."""
 
-    kv_capacity_tokens: float
+    @property
+    def kv_capacity_tokens(self) -> float:
+        """KV-cache tokens the node holds beside its layers."""
 
     def prefill_ms(self, tokens: int, seq_tokens: int, past_tokens: float = 0.0) -> float:
         """One forward pass over `tokens` prompt tokens in chunks of `seq_tokens` (token-weighted mean), each
@@ -73,8 +79,8 @@ class ProfileStage:
     whole prompt's attention, and the rest of the layer once per pass.
     """
 
-    perf: object
-    spec: object
+    perf: PerfModel
+    spec: ModelSpec | str
     node: NodeConfig
     layers: int
     kv_capacity_tokens: float

@@ -69,6 +69,10 @@ class CoordinatorConfig:
     # PEM certificate chain and private key: the front door serves HTTPS when both are set.
     http_tls_certfile: str | None = None
     http_tls_keyfile: str | None = None
+    # CORS as vLLM's --allowed-origins/--allowed-methods/--allowed-headers (no origin: off).
+    http_allowed_origins: tuple[str, ...] = ()
+    http_allowed_methods: tuple[str, ...] = ("*",)
+    http_allowed_headers: tuple[str, ...] = ("*",)
 
 
 @dataclass(frozen=True)

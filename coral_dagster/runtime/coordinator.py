@@ -46,6 +46,9 @@ class _Instance:
     served: int = 0
     limits: ModelLimits | None = None
     incarnation: str = ""
+    # From its heartbeats: how long it has held work without progress, and its progress limit (scaled by that work).
+    stalled_s: float = 0.0
+    progress_timeout_s: float = 0.0
 
 
 @dataclass
@@ -152,13 +155,15 @@ class Coordinator:
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0, "abandoned": 0}
         self.http = None
         if cfg.http_port is not None:
-            from coral_dagster.runtime.frontdoor import FrontDoor
+            from coral_dagster.runtime.frontdoor import Cors, FrontDoor
 
             self.http = FrontDoor(self.ctx, self.front_address, cfg.http_host, cfg.http_port,
                                   timeout_s=cfg.timing.request_timeout_s * (cfg.max_retries + 1) + 5,
                                   api_key=cfg.api_key, read_timeout_s=cfg.http_read_timeout_s,
                                   max_body_bytes=cfg.http_max_body_bytes,
-                                  tls=(cfg.http_tls_certfile, cfg.http_tls_keyfile))
+                                  tls=(cfg.http_tls_certfile, cfg.http_tls_keyfile),
+                                  cors=Cors(cfg.http_allowed_origins, cfg.http_allowed_methods,
+                                            cfg.http_allowed_headers))
 
     def run(self, stop: threading.Event | None = None) -> str:
         """Route until `stop` is set, serving the HTTP front door alongside when configured."""
@@ -360,6 +365,14 @@ class Coordinator:
 
     def _heartbeat(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         inst.stages = _stages(h.get("stages", inst.stages))
+        inst.stalled_s = finite_positive(h["stalled_s"], "stalled_s") if h.get("stalled_s") else 0.0
+        inst.progress_timeout_s = (finite_positive(h["progress_timeout_s"], "progress_timeout_s")
+                                   if h.get("progress_timeout_s") else 0.0)
+        # Prefill chunks are progress the client does not see as tokens: they keep the request's clock going.
+        for rid in h.get("progressed", [])[:len(inst.requests)]:
+            r = self.requests.get(str(rid))
+            if r is not None and inst.name in r.instances.values():
+                r.last_progress = now
         if inst.state == "lost":
             inst.state = "ready" if h.get("healthy") else "unhealthy"
         wire.send(self.router, {"kind": "ack"}, to=inst.ident)
@@ -394,10 +407,20 @@ class Coordinator:
             if now > r.deadline:
                 self._finish_error(r, f"request ran past its deadline of {r.deadline - r.created:g} s.",
                                    "send a shorter request, or a longer timeout_s", 504, type="timeout")
-            elif now - r.last_progress > t.request_timeout_s:
+            elif now - r.last_progress > (limit_s := self._progress_limit_s(r)):
                 names = ", ".join(r.instances.values()) or "none"
-                self._retry_or_fail(r, f"no progress for {t.request_timeout_s:g} s on instance(s) {names}", now,
+                self._retry_or_fail(r, f"no progress for {limit_s:g} s on instance(s) {names}", now,
                                     set(r.instances.values()))
+
+    def _progress_limit_s(self, r: _Request) -> float:
+        """How long `r` may go without progress: `request_timeout_s`, or longer where its instance holds more work
+        (its scheduler's limit, scaled by the prefill tokens its stages hold)."""
+        limits = [self.instances[n].progress_timeout_s for n in r.instances.values() if n in self.instances]
+        return max([self.cfg.timing.request_timeout_s, *limits])
+
+    def _degraded(self, inst: _Instance) -> bool:
+        """Whether `inst` holds work and has made no progress for a quarter of its progress limit."""
+        return inst.stalled_s > max(self.cfg.timing.request_timeout_s, inst.progress_timeout_s) / 4
 
     # Requests
 
@@ -661,7 +684,9 @@ class Coordinator:
         return {"models": self._models(), "serving": self._serving(), "counts": dict(self.counts),
                 "in_flight": len(self.requests), "context": context,
                 "departed": list(self.departed), "admit": self.admit_text,
+                "degraded": sorted(i.name for i in self.instances.values() if self._degraded(i)),
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
+                               "progress": "degraded" if self._degraded(i) else "ok",
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}
 

@@ -32,6 +32,8 @@ class Step:
     @property
     def n_tokens(self) -> int:
         data = self.tokens if self.tokens is not None else self.hidden
+        if data is None:
+            raise RuntimeError(f"step {self.rid!r} carries neither token ids nor hidden states")
         return int(data.shape[0])
 
 

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP front door on uvicorn: `/v1/models`, `/v1/completions` and `/v1/chat/completions`
-(plain and SSE-streamed), `/health`, `/metrics` (Prometheus) and the admin routes.
+(plain and SSE-streamed), vLLM's `/tokenize`, `/detokenize`, `/version`, `/ping`, `/openapi.json` and `/docs`,
+`/health`, `/metrics` (Prometheus) and the admin routes; CORS as vLLM's `--allowed-origins` configures it.
 
 Each request reaches the coordinator loop over its own inproc socket. A client that goes away cancels its
 request on every instance (the coordinator's `cancel`); a request whose choice meets a stop string or stop token
@@ -18,10 +19,13 @@ import os
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from http import HTTPStatus
+from dataclasses import dataclass
 from typing import Any
 
+import pydantic
 import uvicorn
 import zmq
 import zmq.asyncio
@@ -32,8 +36,11 @@ from coral_dagster.runtime import wire
 from coral_dagster.runtime.client import FINAL
 from coral_dagster.runtime.metrics import CONTENT_TYPE, Metrics
 from coral_dagster.runtime.openai_protocol import (ApiError, ApiRequest, Choice, chunk, error_event, parse_request,
-                                                   response, response_meta, usage)
+                                                   response, response_meta, tool_chunks, usage)
+from coral_dagster.runtime.openapi_models import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
+                                                  coral_version, openapi_document, swagger_page)
 from coral_dagster.runtime.sampling import TokenLogprobs
+from coral_dagster.runtime.tokenizer import BOS, N_BYTES, ByteTokenizer, apply_chat_template
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +51,44 @@ DRAIN_S = 3.0
 RETRY_AFTER_S = 5
 _RETRY = ((b"retry-after", str(RETRY_AFTER_S).encode()),)
 
+# The longest X-Request-Id taken from a client (longer, or not printable ASCII: one is generated instead).
+MAX_REQUEST_ID = 128
+
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 
-__all__ = ["ApiError", "FrontDoor", "error_event"]
+__all__ = ["ApiError", "Cors", "FrontDoor", "error_event"]
+
+
+@dataclass(frozen=True)
+class Cors:
+    """Cross-origin access as vLLM's `--allowed-origins/--allowed-methods/--allowed-headers` set it; no origin (the
+    default) turns CORS off, so browsers on other origins cannot call the API."""
+
+    origins: tuple[str, ...] = ()
+    methods: tuple[str, ...] = ("*",)
+    headers: tuple[str, ...] = ("*",)
+
+    @staticmethod
+    def parse(flag: str, raw: str) -> tuple[str, ...]:
+        """One of the flags' values: a JSON list of strings, as vLLM's flags take them."""
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            value = None
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise CoralError(f"{flag} {raw!r} is not a JSON list of strings.",
+                             f"pass it as vLLM's flag takes it, e.g. {flag} '[\"https://app.example.com\"]'")
+        return tuple(value)
+
+    def wrap(self, app: Any) -> Any:
+        """`app` behind Starlette's CORS middleware (answering preflights), or as it is when no origin is allowed."""
+        if not self.origins:
+            return app
+        from starlette.middleware.cors import CORSMiddleware
+
+        return CORSMiddleware(app, allow_origins=list(self.origins), allow_methods=list(self.methods),
+                              allow_headers=list(self.headers))
 
 
 class _Link:
@@ -98,8 +139,8 @@ class _Link:
 class _Reply:
     """A response being sent: whether its head went out, so a failure mid-stream ends as an event instead."""
 
-    def __init__(self, send: Send) -> None:
-        self._send, self.started = send, False
+    def __init__(self, send: Send, request_id: str) -> None:
+        self._send, self.started, self.request_id = send, False, request_id
 
     async def json(self, status: int, data: Any, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         await self.whole(status, b"application/json", json.dumps(data).encode(), headers)
@@ -112,7 +153,8 @@ class _Reply:
 
     async def head(self, status: int, headers: list[tuple[bytes, bytes]]) -> None:
         self.started = True
-        await self._send({"type": "http.response.start", "status": status, "headers": headers})
+        await self._send({"type": "http.response.start", "status": status,
+                          "headers": [*headers, (b"x-request-id", self.request_id.encode())]})
 
     async def event(self, data: Any) -> None:
         await self._send({"type": "http.response.body", "body": f"data: {json.dumps(data)}\n\n".encode(),
@@ -139,8 +181,8 @@ class _Run:
         self.index = {t: i for i, t in enumerate(tags)}
         self.rids: dict[str, Any] = {}
         self.open = set(tags)
-        self.choices = [Choice(i, req.stop, req.stop_token_ids, req.prompt_tokens(i // req.n))
-                        for i in range(len(tags))]
+        self.choices = [Choice(i, req.stop, req.stop_token_ids, req.prompt_tokens(i // req.n),
+                               req.sampling.min_tokens, req.skip_special_tokens) for i in range(len(tags))]
         self.started = time.monotonic()
         self.last_token: dict[str, float] = {}
 
@@ -158,6 +200,8 @@ class _App:
         # Set on the server's loop (created there) once the drain time is over: requests still running end 503.
         self.abort: asyncio.Event | None = None
         self.running = 0
+        # Requests generating now (their open choices are what vLLM's running and waiting gauges count).
+        self.runs: set[_Run] = set()
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -165,11 +209,13 @@ class _App:
         if self.actx is None:
             self.actx = zmq.asyncio.Context.shadow(self.ctx.underlying)
         link = _Link(self.actx, self.front, self.timeout_s)
-        reply = _Reply(send)
+        reply = _Reply(send, _request_id(scope))
         route = scope["path"] if scope["path"] in _PATHS else "other"
         status = 200
         self.running += 1
-        self.metrics.running.inc()
+        counted = route != "/metrics"
+        if counted:
+            self.metrics.running.inc()
         try:
             await self._route(scope, receive, reply, link)
         except ApiError as err:
@@ -186,7 +232,8 @@ class _App:
         finally:
             link.close()
             self.running -= 1
-            self.metrics.running.dec()
+            if counted:
+                self.metrics.running.dec()
             self.metrics.answered(route, status)
 
     def _authorize(self, scope: dict[str, Any], path: str) -> None:
@@ -223,26 +270,37 @@ class _App:
             if not message.get("more_body"):
                 break
         try:
-            return json.loads(b"".join(chunks) or b"{}")
+            # Bytes that are not UTF-8 become lone surrogates, found below with the field they are in.
+            body = json.loads(b"".join(chunks).decode("utf-8", "surrogateescape") or "{}")
         except (ValueError, RecursionError) as exc:
             raise ApiError(400, f"the body is not JSON that can be read: {exc!r}") from None
+        _check_text(body)
+        return body
 
     async def _route(self, scope: dict[str, Any], receive: Receive, reply: _Reply, link: _Link) -> None:
         method, path = scope["method"], scope["path"]
         if sum(len(k) + len(v) for k, v in scope["headers"]) > MAX_HEADER_BYTES:
             raise ApiError(431, f"the headers exceed {MAX_HEADER_BYTES} bytes", ((b"connection", b"close"),))
-        if path not in ("/health", "/metrics"):
+        if path not in _OPEN:
             self._authorize(scope, path)
         if (method, path) not in _ROUTES:
-            allowed = [m for m, p in _ROUTES if p == path]
-            raise ApiError(405 if allowed else 404, f"no route {method} {path}"
-                           + (f"; use {', '.join(allowed)}" if allowed else ""))
+            allowed = sorted(m for m, p in _ROUTES if p == path)
+            if allowed:
+                raise ApiError(405, f"no route {method} {path}; use {', '.join(allowed)}",
+                               ((b"allow", ", ".join(allowed).encode()),))
+            raise ApiError(404, f"no route {method} {path}")
         if self.closing and path != "/metrics":
             raise _shutting_down()
-        if method == "GET":
+        if path in _STATIC:
+            await self._static(path, reply)
+            return
+        if method == "GET" or path == "/ping":
             await self._get(path, reply, link)
             return
         body = await self._body(scope, receive)
+        if path in ("/tokenize", "/detokenize"):
+            await self._tokens(path, body, reply, link)
+            return
         if path == "/admin/drain":
             answer = await link.call({"kind": "drain", "instance": str(body.get("instance")
                                                                        if isinstance(body, dict) else None)})
@@ -255,14 +313,51 @@ class _App:
                             status["serving"] or status["models"], status.get("context", {}))
         await self._generate(req, receive, reply, link)
 
+    async def _static(self, path: str, reply: _Reply) -> None:
+        if path == "/openapi.json":
+            await reply.json(200, openapi_document())
+        elif path == "/docs":
+            await reply.whole(200, b"text/html; charset=utf-8", swagger_page())
+        else:
+            await reply.json(200, {"version": coral_version()})
+
+    async def _tokens(self, path: str, body: Any, reply: _Reply, link: _Link) -> None:
+        """vLLM's `/tokenize` (a prompt, or messages through the chat template) and `/detokenize`."""
+        status = await link.call({"kind": "status"})
+        models = status["serving"] or status["models"]
+        tokenizer = ByteTokenizer()
+        if path == "/detokenize":
+            detok = _validated(DetokenizeRequest, body)
+            _model_of(detok.model, models)
+            if any(not 0 <= t < tokenizer.vocab for t in detok.tokens):
+                raise ApiError(400, f"tokens must be ids in [0, {tokenizer.vocab})", param="tokens")
+            await reply.json(200, {"prompt": _detokenize(tokenizer, detok.tokens)})
+            return
+        model_type = TokenizeChatRequest if isinstance(body, dict) and "messages" in body \
+            else TokenizeCompletionRequest
+        tok = _validated(model_type, body)
+        model = _model_of(tok.model, models)
+        if isinstance(tok, TokenizeChatRequest):
+            text = apply_chat_template([{"role": m.role, "content": m.content if isinstance(m.content, str)
+                                         else "".join(p.text for p in m.content or [])} for m in tok.messages])
+        else:
+            text = tok.prompt
+        ids = tokenizer.encode(text)
+        if not tok.add_special_tokens:
+            ids = ids[1:] if ids[:1] == [BOS] else ids
+        await reply.json(200, {"count": len(ids), "max_model_len": status.get("context", {}).get(model),
+                               "tokens": ids, "token_strs": [tokenizer.decode_token(t) for t in ids]
+                               if tok.return_token_strs else None})
+
     async def _get(self, path: str, reply: _Reply, link: _Link) -> None:
         status = await link.call({"kind": "status"})
         for key in ("kind", "tag"):
             status.pop(key, None)
-        if path == "/health":
-            ready = bool(status["serving"])
-            await reply.json(200 if ready else 503, {"status": "ok" if ready else "unavailable",
-                                                     "serving": status["serving"]})
+        if path in ("/health", "/ping"):
+            ready, degraded = bool(status["serving"]), status.get("degraded", [])
+            state = ("degraded" if degraded else "ok") if ready else "unavailable"
+            await reply.json(200 if ready else 503, {"status": state, "serving": status["serving"],
+                                                     "degraded": degraded})
         elif path == "/v1/models":
             if not status["serving"]:
                 raise ApiError(503, "no instance is ready to serve yet; GET /health says when one is")
@@ -271,6 +366,13 @@ class _App:
                  "max_model_len": status.get("context", {}).get(m)} for m in status["serving"]]})
         elif path == "/metrics":
             self.metrics.queue_depth.set(status.get("in_flight", 0))
+            on_instances: dict[str, int] = {m: 0 for m in status["models"]}
+            for inst in status.get("instances", []):
+                on_instances[inst["model"]] = on_instances.get(inst["model"], 0) + int(inst.get("in_flight", 0))
+            submitted: dict[str, int] = {}
+            for run in self.runs:
+                submitted[run.req.model] = submitted.get(run.req.model, 0) + len(run.open)
+            self.metrics.vllm.set_load(on_instances, submitted)
             await reply.whole(200, CONTENT_TYPE.encode(), self.metrics.exposition())
         else:
             await reply.json(200, status)
@@ -278,7 +380,13 @@ class _App:
     async def _generate(self, req: ApiRequest, receive: Receive, reply: _Reply, link: _Link) -> None:
         """Submit every choice, then answer (whole or streamed) while watching for the client leaving and for
         the end of the drain time; either cancels what is still open on the coordinator."""
-        tags = [await link.send(h) for h in req.submissions()]
+        abort = self.abort
+        if abort is None:
+            raise RuntimeError("a request reached the front door before its server loop created the abort event")
+        submissions = req.submissions()
+        for h in submissions:
+            _fits_the_wire(h)
+        tags = [await link.send(h) for h in submissions]
         run = _Run(req, tags)
         # Every submit is answered at once with `accepted` or `error`: fail the whole request before any byte.
         first = {t: await link.next_event({t}) for t in tags}
@@ -289,9 +397,11 @@ class _App:
             raise error_event(failed[0])
         for i in range(len(req.prompts)):
             self.metrics.prompt_tokens.labels(req.model).inc(req.prompt_tokens(i))
+            self.metrics.vllm.prompt_tokens.labels(req.model).inc(req.prompt_tokens(i))
+        self.runs.add(run)
         work = asyncio.ensure_future(self._answer(run, reply, link))
         gone = asyncio.ensure_future(_disconnected(receive))
-        aborted = asyncio.ensure_future(self.abort.wait())
+        aborted = asyncio.ensure_future(abort.wait())
         try:
             await asyncio.wait({work, gone, aborted}, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -302,16 +412,18 @@ class _App:
                 await asyncio.gather(work, return_exceptions=True)
             # Choices still open (the client left, the drain ended, or another choice failed) stop everywhere.
             await _cancel(link, [run.rids[t] for t in run.open])
+            self.runs.discard(run)
         if work.done() and not work.cancelled():
             work.result()
         elif gone.done() and not gone.cancelled():
             self.metrics.cancelled.inc()
+            self.metrics.vllm.success.labels(req.model, "abort").inc(len(run.open))
         else:
             raise _shutting_down()
 
     async def _answer(self, run: _Run, reply: _Reply, link: _Link) -> None:
         req = run.req
-        meta = response_meta(req, str(run.rids[run.tags[0]]), int(time.time()), req.stream)
+        meta = response_meta(req, reply.request_id, int(time.time()), req.stream)
         if req.stream:
             await reply.head(200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")])
             for c in run.choices:
@@ -319,7 +431,12 @@ class _App:
                     await reply.event(chunk(req, meta, c, None, None, first=True))
         async for tag, piece in self._pieces(run, link):
             c = run.choices[run.index[tag]]
-            if req.stream:
+            if req.stream and req.tool_plan is not None:
+                # Tool calls are known once the choice ends: its content or calls go out then, whole.
+                if c.finish:
+                    for event in tool_chunks(req, meta, c):
+                        await reply.event(event)
+            elif req.stream:
                 if piece.text or piece.tokens:
                     await reply.event(chunk(req, meta, c, piece, None))
                 if c.finish:
@@ -352,7 +469,14 @@ class _App:
                 piece = c.done(e["finish_reason"])
             else:
                 continue
+            if c.finish:
+                self._finished(run, c.finish)
             yield tag, piece
+
+    def _finished(self, run: _Run, reason: str) -> None:
+        vllm = self.metrics.vllm
+        vllm.e2e.labels(run.req.model).observe(time.monotonic() - run.started)
+        vllm.success.labels(run.req.model, reason).inc()
 
     def _timed(self, run: _Run, tag: str) -> None:
         now = time.monotonic()
@@ -360,15 +484,100 @@ class _App:
         last = run.last_token.get(tag)
         if last is None:
             self.metrics.ttft.labels(model).observe(now - run.started)
+            self.metrics.vllm.ttft.labels(model).observe(now - run.started)
         else:
             self.metrics.tpot.labels(model).observe(now - last)
+            self.metrics.vllm.itl.labels(model).observe(now - last)
         run.last_token[tag] = now
         self.metrics.generation_tokens.labels(model).inc()
+        self.metrics.vllm.generation_tokens.labels(model).inc()
 
 
 _ROUTES = {("GET", "/health"), ("GET", "/v1/models"), ("GET", "/admin/instances"), ("GET", "/metrics"),
-           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/admin/drain")}
+           ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/admin/drain"),
+           ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"), ("GET", "/ping"), ("POST", "/ping"),
+           ("GET", "/openapi.json"), ("GET", "/docs")}
 _PATHS = {p for _, p in _ROUTES}
+# Routes anyone may call with or without the API key: they tell nothing about requests or prompts.
+_OPEN = {"/health", "/ping", "/metrics", "/version", "/openapi.json", "/docs"}
+# Room for the tag `_Link.send` adds to a submission's header.
+_TAG_BYTES = 32
+# Routes answered without the coordinator.
+_STATIC = {"/openapi.json", "/docs", "/version"}
+
+
+def _request_id(scope: dict[str, Any]) -> str:
+    """The client's X-Request-Id when it is a short printable ASCII string (vLLM honours and echoes it), else a
+    fresh one."""
+    sent = dict(scope["headers"]).get(b"x-request-id", b"")
+    if 0 < len(sent) <= MAX_REQUEST_ID and all(0x21 <= b < 0x7F for b in sent):
+        return sent.decode()
+    return uuid.uuid4().hex
+
+
+def _check_text(body: Any) -> None:
+    """A 400 naming the first field whose text is not valid Unicode: bytes that are not UTF-8, or a lone UTF-16
+    surrogate escaped in the JSON (`"\\ud800"`); no model or tokenizer could read either."""
+    todo: list[tuple[str, Any]] = [("", body)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                todo.append((f"{where}.{key}" if where else str(key), key))
+                todo.append((f"{where}.{key}" if where else str(key), item))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(400, f"{where or 'the body'} is not valid UTF-8 text (character {exc.start} is a "
+                                    "lone surrogate or a byte that is not UTF-8); send well-formed Unicode",
+                               param=where or None) from None
+
+
+def _fits_the_wire(header: dict[str, Any]) -> None:
+    """A 413 at once for a submission the coordinator could not read: its header, with non-ASCII text escaped
+    (up to 6 bytes a character), over the wire's limit, which a body under the door's own cap can still reach."""
+    size = len(wire.pack(header)[0]) + _TAG_BYTES
+    if size > wire.MAX_HEADER_BYTES:
+        raise ApiError(413, f"the prompt takes {size} bytes on the way to the coordinator (non-ASCII text escaped), "
+                            f"over its {wire.MAX_HEADER_BYTES}-byte limit; send a shorter prompt (a request's tokens "
+                            "must fit the model's context anyway)", param="prompt")
+
+
+def _validated(model: type[pydantic.BaseModel], body: Any) -> Any:
+    """`body` read into `model`; the first problem a 400 naming its field."""
+    try:
+        return model.model_validate(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or None
+        raise ApiError(400, f"{where or 'the body'}: {first['msg']}", param=where) from None
+
+
+def _detokenize(tokenizer: ByteTokenizer, tokens: list[int]) -> str:
+    """The text of `tokens`: runs of byte tokens read as UTF-8 (an invalid sequence becomes U+FFFD, as Hugging Face
+    tokenizers decode), BOS and EOS nothing, other ids `<|id|>`."""
+    out, run = [], bytearray()
+    for t in tokens:
+        if t < N_BYTES:
+            run.append(t)
+            continue
+        out.append(run.decode("utf-8", "replace"))
+        run.clear()
+        out.append(tokenizer.decode_token(t))
+    out.append(run.decode("utf-8", "replace"))
+    return "".join(out)
+
+
+def _model_of(name: str | None, models: list[str]) -> str:
+    if name is None and len(models) == 1:
+        return models[0]
+    if name not in models:
+        raise ApiError(404 if name else 400, f"model {name!r} is not served; served: {', '.join(models) or 'none'}",
+                       param="model")
+    return name
 
 
 def _shutting_down() -> ApiError:
@@ -447,7 +656,7 @@ class FrontDoor:
 
     def __init__(self, ctx: zmq.Context, front: str, host: str, port: int, timeout_s: float,
                  api_key: str | None, read_timeout_s: float, max_body_bytes: int,
-                 tls: tuple[str | None, str | None] = (None, None)) -> None:
+                 tls: tuple[str | None, str | None] = (None, None), cors: Cors | None = None) -> None:
         certfile, keyfile = tls
         if bool(certfile) != bool(keyfile):
             raise CoralError("HTTPS needs both a certificate and its private key; one of them is missing.",
@@ -465,7 +674,8 @@ class FrontDoor:
         self.port = self.sock.getsockname()[1]
         protocol = type("Protocol", (_Protocol,), {"read_timeout_s": read_timeout_s})
         app = _App(ctx, front, timeout_s, api_key, read_timeout_s, max_body_bytes)
-        config = uvicorn.Config(app, http=protocol, ws="none", lifespan="off", log_config=None, access_log=False,
+        config = uvicorn.Config((cors or Cors()).wrap(app), http=protocol, ws="none", lifespan="off",
+                                log_config=None, access_log=False,
                                 timeout_keep_alive=5, timeout_graceful_shutdown=1,
                                 h11_max_incomplete_event_size=MAX_HEADER_BYTES, ssl_certfile=certfile or None,
                                 ssl_keyfile=keyfile or None)

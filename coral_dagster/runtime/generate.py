@@ -40,6 +40,8 @@ def generate_tokens(engine: Engine, prompt: list[int], max_tokens: int, ignore_e
         while True:
             result = engine.forward([step])[0]
             token = result.token
+            if token is None:
+                raise RuntimeError("an engine holding every layer returned no token")
             reason = finish_reason(token, len(out) + 1, max_tokens, ignore_eos)
             if reason != "stop":
                 out.append(token)

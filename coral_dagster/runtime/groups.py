@@ -150,6 +150,9 @@ def supervise(name: str, target: Callable[..., None], kwargs: dict[str, Any], re
         proc = ctx.Process(target=run_child, args=(target, kwargs, os.getpid()), name=name)
         child[:] = [proc]
         proc.start()
+        pid = proc.pid
+        if pid is None:
+            raise RuntimeError(f"{name} has no process id once started")
         if stopping.is_set():
             on_signal(signal.SIGTERM, None)
         deadline = None
@@ -158,8 +161,8 @@ def supervise(name: str, target: Callable[..., None], kwargs: dict[str, Any], re
             if stopping.is_set():
                 deadline = deadline or time.monotonic() + grace_s
                 if time.monotonic() > deadline:
-                    kill_group(proc.pid)
-        kill_group(proc.pid)
+                    kill_group(pid)
+        kill_group(pid)
         code = proc.exitcode
         status = code if code >= 0 else 128 - code
         if stopping.is_set() or not restart or code in (CLEAN_EXIT, CORAL_ERROR_EXIT):

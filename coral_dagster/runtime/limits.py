@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from coral_dagster.errors import CoralError
 
@@ -20,7 +20,7 @@ class RequestError(CoralError):
         self.status = status
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An integer that JSON sent as a number: `True` is not a token id and not a token count."""
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -87,6 +87,41 @@ _PRELOAD = ["torch", "coral_dagster.runtime.torch_engine", "coral_dagster.runtim
             "coral_dagster.runtime.scheduler", "coral_dagster.runtime.node", "coral_dagster.runtime.roles"]
 
 
+# How long a standby coordinator waits for its primary's ports to be free once the primary has died.
+TAKEOVER_BIND_S = 10.0
+
+
+def _port_free(host: str, port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+        return True
+    except OSError:
+        return False
+
+
+def standby_coordinator(cfg: CoordinatorConfig, primary: int, ports: tuple[int, ...]) -> None:
+    """A warm standby: wait while coordinator process `primary` serves; once it has died, serve in its place on the
+    same ZeroMQ and HTTP ports (one endpoint), where the schedulers' heartbeats find it and register again. SIGTERM
+    while waiting ends it without taking over."""
+    stop = threading.Event()
+    roles.stop_on_signals(stop)
+    try:
+        fd: int | None = os.pidfd_open(primary)
+    except ProcessLookupError:
+        fd = None
+    while fd is not None and not stop.is_set() and not select.select([fd], [], [], 0.2)[0]:
+        pass
+    if stop.is_set():
+        return
+    log.warning("coordinator %d is gone; this standby takes over %s", primary, cfg.listen)
+    deadline = time.monotonic() + TAKEOVER_BIND_S
+    while not all(_port_free(cfg.http_host, p) for p in ports) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    roles.run_coordinator(cfg)
+
+
 def _process_context() -> multiprocessing.context.BaseContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
@@ -96,6 +131,11 @@ def _process_context() -> multiprocessing.context.BaseContext:
 @dataclass
 class LocalDeployment:
     """Runs each role (`runtime/roles.py`) in its own process and process group; `stop()` ends all of them.
+
+    With `standby`, a second coordinator waits warm beside the serving one and takes over its ports (the same
+    endpoint) the moment it dies, kill -9 included; the schedulers register with it on their next heartbeat, and a
+    new standby is started. Requests in flight on the dead one fail with their connections (none is answered twice:
+    the new coordinator drops whatever the instances still send for them).
 
     Every socket is CURVE-encrypted with keys generated for this deployment, and the HTTP front door needs an API
     key (generated unless given) written to `<log_dir>/api_key`. A supervisor kills whatever an exited process
@@ -112,6 +152,7 @@ class LocalDeployment:
     log_dir: Path | None = None
     api_key: str | None = None
     restart: bool = True
+    standby: bool = False
     backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     # "vllm": each instance is one vLLM head (its split is vLLM's partition) behind a one-stage scheduler.
@@ -137,10 +178,14 @@ class LocalDeployment:
         self.api_key_file = self.log_dir / "api_key"
         write_secret(self.api_key_file, self.api_key + "\n")
         self._roles: dict[str, tuple[Callable[..., None], dict[str, Any], bool]] = {}
+        # The instance each engine node serves (its credential is bound to it).
+        self._instance_of: dict[str, str] = {}
         self._stopping = threading.Event()
         self._stopped = False
         self._ready = threading.Event()
         self._supervisor: threading.Thread | None = None
+        # Held while a standby is promoted, so that `alive` never reads a half-swapped table.
+        self._swap = threading.Lock()
 
     @property
     def coordinator(self) -> str:
@@ -173,12 +218,16 @@ class LocalDeployment:
         self._roles[name] = (target, kwargs, own_children)
 
     def _secrets(self, kwargs: dict[str, Any]) -> dict[str, str]:
-        """The coordinator's registration key, or a scheduler's instance credential (none for engine nodes)."""
-        cfg = kwargs.get("cfg")
+        """The coordinator's registration key, a scheduler's instance credential, or an engine node's credential for
+        its slot (instance, stage, name): each process gets only its own."""
+        cfg, settings = kwargs.get("cfg"), kwargs.get("settings")
         if isinstance(cfg, CoordinatorConfig):
             return {Env.REGISTRATION_KEY.value: self.registration_key}
         if isinstance(cfg, SchedulerConfig):
             return {Env.INSTANCE_CREDENTIAL.value: credentials.instance_credential(self.registration_key, cfg.instance)}
+        if isinstance(settings, NodeSettings):
+            return {Env.NODE_CREDENTIAL.value: credentials.node_credential_of(
+                self.registration_key, self._instance_of[settings.node], settings.stage, settings.node)}
         return {}
 
     def exitcode(self, name: str, wait_s: float = 0.0) -> int | None:
@@ -198,6 +247,8 @@ class LocalDeployment:
         self.spawn("coordinator", roles.run_coordinator, {"cfg": CoordinatorConfig(
             listen=self.coordinator, http_host=self.host, http_port=self.http_port, models=(self.model,),
             max_retries=self.max_retries, api_key=self.api_key, timing=t)})
+        if self.standby:
+            self._spawn_standby()
         n_layers = roles.model_layers(self.model)
         for inst in self.instances:
             listen = tcp_endpoint(self.host, free_port(self.host))
@@ -207,6 +258,7 @@ class LocalDeployment:
                 timing=t, limits=roles.model_limits(self.model))})
             if vllm:
                 node = f"{inst.name}.vllm"
+                self._instance_of[node] = inst.name
                 settings = NodeSettings(node=node, model=self.model, start=0, end=n_layers, n_layers=n_layers,
                                         stage=0, scheduler=listen, listen=tcp_endpoint(self.host, "*"), engine="vllm",
                                         split=inst.split, tp=self.vllm_launch.get("tp", 1), timing=t)
@@ -218,10 +270,31 @@ class LocalDeployment:
             for stage, ((start, end), count) in enumerate(zip(stage_ranges(inst.split), inst.nodes)):
                 for k in range(count):
                     node = f"{inst.name}.s{stage}.n{k}"
+                    self._instance_of[node] = inst.name
                     self.spawn(node, roles.run_engine, {"settings": NodeSettings(
                         node=node, model=self.model, start=start, end=end, n_layers=n_layers, stage=stage,
                         scheduler=listen, listen=tcp_endpoint(self.host, "*"), timing=t)})
         self.supervise()
+
+    @property
+    def _standby_name(self) -> str:
+        """The standby's process name (each its own log: a promoted standby keeps writing to its own)."""
+        return f"coordinator.standby{self.restarts.get('coordinator', 0)}"
+
+    def _spawn_standby(self) -> None:
+        cfg = self._roles["coordinator"][1]["cfg"]
+        self.spawn(self._standby_name, standby_coordinator, {"cfg": cfg, "primary": self.procs["coordinator"].pid,
+                                                             "ports": (self.zmq_port, self.http_port)})
+
+    def _promote_standby(self) -> None:
+        """The standby now serves (its primary died): it becomes the coordinator, and a new standby waits on it."""
+        name = self._standby_name
+        self.procs["coordinator"] = self.procs.pop(name)
+        self.pidfds["coordinator"] = self.pidfds.pop(name)
+        self._roles["coordinator"] = self._roles.pop(name)
+        self.restarts["coordinator"] = self.restarts.get("coordinator", 0) + 1
+        log.warning("the standby coordinator took over; starting a new standby")
+        self._spawn_standby()
 
     def client(self, timeout_s: float = 60.0) -> Client:
         return Client(self.coordinator, keys=self.keys, timeout_s=timeout_s, registration_key=self.registration_key)
@@ -258,13 +331,21 @@ class LocalDeployment:
         while not self._stopping.wait(poll_s):
             now = time.monotonic()
             for name, proc in list(self.procs.items()):
+                if self.procs.get(name) is not proc:
+                    continue  # Promoted or replaced earlier in this sweep.
                 code = self.exitcode(name)
                 if code is None:
                     continue
                 if proc.pid not in swept:
                     swept.add(proc.pid)
                     groups.kill_group(proc.pid)
-                if name == "coordinator" or code == 0 or not (self.restart and self._ready.is_set()):
+                standby = self._standby_name
+                if name == "coordinator" and self.standby and standby in self.procs and self.alive(standby):
+                    with self._swap:
+                        os.close(self.pidfds.pop("coordinator"))
+                        self._promote_standby()
+                    continue
+                if name.startswith("coordinator") or code == 0 or not (self.restart and self._ready.is_set()):
                     continue
                 if name not in due:
                     n = self.restarts.get(name, 0)
@@ -282,7 +363,11 @@ class LocalDeployment:
                 "instances": [{"instance": i.name, "phase": i.phase, "split": list(i.split)} for i in self.instances]}
 
     def alive(self, name: str) -> bool:
-        return self.exitcode(name) is None
+        """Whether role `name` runs; the coordinator counts as running while its standby lives to take over."""
+        with self._swap:
+            if name == "coordinator" and self.standby and self._standby_name in self.procs:
+                return self.exitcode(name) is None or self.exitcode(self._standby_name) is None
+            return self.exitcode(name) is None
 
     def _signal(self, name: str, signum: int) -> None:
         try:
@@ -304,6 +389,11 @@ class LocalDeployment:
         if self._stopped:
             return
         self._stopped = True
+        standby = self._standby_name
+        if standby in self.procs and self.alive(standby):
+            # First, so that it does not take over from the coordinator this stop ends.
+            self._signal(standby, signal.SIGTERM)
+            self.exitcode(standby, wait_s=timeout_s)
         for name in self.procs:
             if self.alive(name):
                 self._signal(name, signal.SIGTERM)

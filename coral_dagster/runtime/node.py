@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
+import hmac
 import logging
 import secrets
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import zmq
 
-from coral_dagster.runtime import wire
-from coral_dagster.runtime.protocol import Kind, Link, ProtocolError, check
+from coral_dagster.runtime import credentials, wire
+from coral_dagster.runtime.protocol import Env, Kind, Link, ProtocolError, check
 from coral_dagster.runtime.config import NodeSettings
 from coral_dagster.runtime.engine import Engine, Step, StepOutput
 from coral_dagster.runtime.limits import RequestError
@@ -21,6 +22,8 @@ from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security
 
 log = logging.getLogger(__name__)
+# The engine a node drives: a per-step engine, or a vLLM instance's head (`VllmNode`).
+E = TypeVar("E", bound=Engine)
 
 
 @dataclass
@@ -32,13 +35,14 @@ class _Pending:
     deadline: float
 
 
-class EngineNode:
+class EngineNode(Generic[E]):
     """Receives `forward` and `kv` messages on its data socket and talks to its scheduler on a control socket.
 
     Data messages: `forward {rid, pos, stage, route: [data address per stage], handoff: [[start, end, address]]
     or null}` with the token ids (first stage) or hidden states; `kv {rid, start, end}` with K and V per layer.
-    Control to the scheduler: `hello`, `token {rid, token}`, `error {rid, problem}`; from it: `welcome`,
-    `reject`, `rehello`, `ping`, `free {rid}`, `stop`. Heartbeats (`pulse`) come from a thread of their own
+    Control to the scheduler: `hello`, `token {rid, token}`, `error {rid, problem}`; from it: `challenge {nonce}`
+    (answered by a hello with a proof of `credential`, this node's slot credential), `welcome`, `reject`, `rehello`,
+    `ping`, `free {rid}`, `stop`. Heartbeats (`pulse`) come from a thread of their own
     (`_Pulse`), so that a forward pass that holds this loop for seconds does not make the node look dead; every
     hello and pulse carries the process's `incarnation`, so a node killed and restarted under the same name is
     told apart from the one it replaces.
@@ -47,9 +51,11 @@ class EngineNode:
     # Whether the engine generates whole requests from one submission (the scheduler then sends one forward).
     streams = False
 
-    def __init__(self, settings: NodeSettings, engine: Engine, keys: CurveKeys | None = None,
-                 insecure: bool = False, ctx: zmq.Context | None = None) -> None:
+    def __init__(self, settings: NodeSettings, engine: E, keys: CurveKeys | None = None,
+                 insecure: bool = False, ctx: zmq.Context | None = None, credential: str = "") -> None:
         self.s, self.engine = settings, engine
+        self.credential = credential
+        self._challenged: str | None = None
         # An own context is terminated on close, which flushes the last messages before the process exits.
         self._own_ctx = ctx is None
         self.ctx = ctx or zmq.Context()
@@ -68,17 +74,31 @@ class EngineNode:
         # Requests the scheduler freed: a step of one still on its way from the previous stage is dropped.
         self._freed: dict[str, float] = {}
         self.welcomed = False
+        # The scheduler's route key (from its welcome): data messages without its MAC are dropped.
+        self.route_key: str | None = None
         self.rejected: str | None = None
         self.steps_run = 0
 
     def _to_scheduler(self, header: dict[str, Any]) -> None:
         wire.send(self.ctl, {**header, "node": self.s.node})
 
-    def _hello(self) -> None:
+    def _hello(self, nonce: str | None = None) -> None:
         s = self.s
+        proof = ({"proof": credentials.node_proof(self.credential, nonce, s.stage, s.node, self.incarnation)}
+                 if nonce is not None and self.credential else {})
         self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
                             "data": self.address, "model": s.model, "engine": s.engine, "streams": self.streams,
-                            "incarnation": self.incarnation})
+                            "incarnation": self.incarnation, **proof})
+
+    def _challenge(self, nonce: str) -> None:
+        """Answer the scheduler's challenge with a proof of this node's credential; without one, say (once) what is
+        missing: the scheduler welcomes no node that cannot prove its slot."""
+        if self.credential:
+            self._hello(nonce)
+        elif self._challenged != nonce:
+            log.warning("the scheduler asks node %s to prove its slot, and %s is not set", self.s.node,
+                        Env.NODE_CREDENTIAL.value)
+        self._challenged = nonce
 
     def _error(self, rid: str, problem: str, status: int | None = None) -> None:
         """Fail one request on this node; `status` 400 says the request itself is at fault (not retried)."""
@@ -131,7 +151,8 @@ class EngineNode:
             self.close()
 
     # What each kind the scheduler sends does (PING only proves the scheduler is there).
-    CONTROL_KINDS = frozenset({Kind.WELCOME, Kind.REHELLO, Kind.REJECT, Kind.FREE, Kind.STOP, Kind.PING})
+    CONTROL_KINDS = frozenset({Kind.WELCOME, Kind.REHELLO, Kind.REJECT, Kind.FREE, Kind.STOP, Kind.PING,
+                               Kind.CHALLENGE})
 
     def _drain_control(self) -> str | None:
         for _, h, _ in wire.drain(self.ctl):
@@ -142,6 +163,9 @@ class EngineNode:
                 continue
             if kind is Kind.WELCOME:
                 self.welcomed = True
+                self.route_key = h.get("route_key")
+            elif kind is Kind.CHALLENGE:
+                self._challenge(str(h["nonce"]))
             elif kind is Kind.REHELLO:
                 self.welcomed = False
                 self._hello()
@@ -172,6 +196,9 @@ class EngineNode:
             rid = h["rid"]
             if rid in self._freed:
                 continue
+            if not self._vouched(kind, h):
+                log.warning("dropping a %s message for %s without its scheduler's MAC", kind.value, rid)
+                continue
             self._touched[rid] = now
             if kind is Kind.KV:
                 self._import_kv(rid, h, arrays)
@@ -197,6 +224,15 @@ class EngineNode:
             else:
                 self._error(rid, f"step at position {step.pos} but {have} positions are already cached")
         return batch
+
+    def _vouched(self, kind: Kind, h: dict[str, Any]) -> bool:
+        """Whether a data message comes from this instance's scheduler or a node it welcomed (or, for KV, a prefill
+        instance it gave the KV route to): its MAC under the route key (any message before a route key is known)."""
+        if self.route_key is None:
+            return True
+        expected = (credentials.kv_mac(self.route_key, h["rid"]) if kind is Kind.KV
+                    else credentials.step_mac(self.route_key, h["rid"], h["pos"], h["stage"]))
+        return hmac.compare_digest(expected, str(h.get("mac", "")))
 
     def _step(self, rid: str, h: dict[str, Any], array: np.ndarray) -> Step:
         pos, stage, route = int(h["pos"]), int(h["stage"]), h["route"]
@@ -267,8 +303,10 @@ class EngineNode:
             self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
                                 "pos": step.pos + step.n_tokens,
                                 **({"logprobs": out.logprobs.message()} if out.logprobs else {})})
-        else:
+        elif out.hidden is not None:
             self._pass_on(h, step, out.hidden)
+        else:
+            raise RuntimeError(f"stage gave step {step.rid!r} neither a token nor hidden states")
         if handoff:
             self.engine.free(step.rid)
             self._touched.pop(step.rid, None)
@@ -284,17 +322,20 @@ class EngineNode:
             return
         header = {"kind": "forward", "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
                   "handoff": h.get("handoff"), "sampling": h.get("sampling")}
+        if self.route_key:
+            header["mac"] = credentials.step_mac(self.route_key, step.rid, step.pos, stage)
         if not wire.send(self.security.push(route[stage]), header, [hidden]):
             self._error(step.rid, f"next stage at {route[stage]} is not accepting activations")
 
     def _hand_over(self, rid: str, handoff: list[list[Any]]) -> None:
         """Send K and V of this node's layers to every decode node whose layer range overlaps them."""
-        for start, end, address in handoff:
+        for start, end, address, *mac in handoff:
             lo, hi = max(int(start), self.s.start), min(int(end), self.s.end)
             if lo >= hi:
                 continue
             arrays = self.engine.export_kv(rid, lo, hi)
-            if not wire.send(self.security.push(address), {"kind": "kv", "rid": rid, "start": lo, "end": hi}, arrays):
+            header = {"kind": "kv", "rid": rid, "start": lo, "end": hi, **({"mac": str(mac[0])} if mac else {})}
+            if not wire.send(self.security.push(address), header, arrays):
                 self._error(rid, f"decode node at {address} is not accepting the KV handoff")
 
     def close(self) -> None:

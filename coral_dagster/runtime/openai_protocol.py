@@ -2,8 +2,9 @@
 response objects and stream chunks built from what each choice generated, in the shapes vLLM's server answers.
 
 Every field is either honoured or refused with a 400 naming it (`param`); none is silently ignored. Fields
-that change nothing at their default (penalties 0, `logit_bias` empty, `best_of` equal to `n`, no `suffix`) are
-accepted at that default only.
+that change nothing at their default (`logit_bias` empty, `best_of` equal to `n`, no `suffix`, no tools) are
+accepted at that default only. vLLM's own extensions are honoured as vLLM honours them: `min_tokens`, penalties,
+`stop_token_ids`, `skip_special_tokens`, `stream_options.continuous_usage_stats`, `stop_reason` in choices.
 """
 
 from __future__ import annotations
@@ -11,11 +12,15 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
+from pydantic import BaseModel
+
+from coral_dagster.runtime import structured, tools
 from coral_dagster.runtime.limits import RequestError, is_int, max_tokens_of
+from coral_dagster.runtime.openapi_models import ChatCompletionRequest, CompletionRequest
 from coral_dagster.runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
-from coral_dagster.runtime.tokenizer import ByteTokenizer, apply_chat_template
+from coral_dagster.runtime.tokenizer import BOS, EOS, ByteTokenizer, apply_chat_template
 
 # Choices one request may ask for (prompts × n), and stop strings and stop token ids per request.
 MAX_CHOICES = 64
@@ -29,15 +34,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "
                413: "invalid_request_error", 431: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
                503: "service_unavailable"}
 
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "stream",
-           "stream_options", "ignore_eos", "user"}
-FIELDS = {"completion": _COMMON | {"prompt", "logprobs", "echo"},
-          "chat": _COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}}
 # Fields accepted only where they change nothing: at these values (`best_of` also when it equals `n`).
-NO_OP = {"presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-         "logit_bias": ({},), "best_of": (1,), "suffix": ("",), "parallel_tool_calls": (False,),
-         "tools": ([],)}
-ROLES = ("system", "developer", "user", "assistant")
+NO_OP = {"logit_bias": ({},), "best_of": (1,), "suffix": ("",)}
+# The fields each route honours: those its typed model (`/openapi.json`) declares, less the no-op ones.
+MODELS: dict[str, type[BaseModel]] = {"completion": CompletionRequest, "chat": ChatCompletionRequest}
+FIELDS = {kind: set(model.model_fields) - set(NO_OP) for kind, model in MODELS.items()}
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -84,6 +86,11 @@ class ApiRequest:
     include_usage: bool = False
     echo: bool = False
     ignore_eos: bool = False
+    # vLLM's: every stream chunk carries the usage so far (with include_usage).
+    continuous_usage: bool = False
+    skip_special_tokens: bool = True
+    # Chat tools (`runtime/tools.py`): how the output becomes tool calls; None without tools.
+    tool_plan: tools.ToolPlan | None = None
 
     def prompt_tokens(self, i: int) -> int:
         prompt = self.prompts[i]
@@ -92,10 +99,17 @@ class ApiRequest:
     def submissions(self) -> list[dict[str, Any]]:
         """The coordinator `submit` headers, one per choice in choice order."""
         out = []
-        for prompt in self.prompts:
+        for i, prompt in enumerate(self.prompts):
             text = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_tokens": list(prompt)}
+            # What the engine needs of the prompt: where outputs start (min_tokens) and, for the repetition
+            # penalty only, its tokens.
+            known: dict[str, int | tuple[int, ...]] = {"prompt_len": self.prompt_tokens(i)}
+            if self.sampling.repetition_penalty != 1:
+                ids = ByteTokenizer().encode(prompt) if isinstance(prompt, str) else list(prompt)
+                known["prompt_token_ids"] = tuple(sorted(set(ids)))
             for j in range(self.n):
-                sampling = SamplingParams(**{**self.sampling.message(), "seed": (self.sampling.seed + j) % (1 << 63)})
+                sampling = SamplingParams(**{**self.sampling.message(), **known,
+                                             "seed": (self.sampling.seed + j) % (1 << 63)})
                 out.append({"kind": "submit", "model": self.model, "max_tokens": self.max_tokens,
                             "ignore_eos": self.ignore_eos, "sampling": sampling.message(), **text})
         return out
@@ -109,6 +123,14 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
             or not low <= value <= high:
         raise _bad(name, f"{name}={value!r} must be a number in [{low:g}, {high:g}]")
     return float(value)
+
+
+@overload
+def _int(body: dict[str, Any], name: str, default: int, low: int, high: int) -> int: ...
+
+
+@overload
+def _int(body: dict[str, Any], name: str, default: None, low: int, high: int) -> int | None: ...
 
 
 def _int(body: dict[str, Any], name: str, default: int | None, low: int, high: int) -> int | None:
@@ -133,7 +155,7 @@ def _check_fields(body: dict[str, Any], kind: str) -> None:
     for name, value in body.items():
         if name in FIELDS[kind]:
             continue
-        if name in NO_OP:
+        if name in NO_OP and name in MODELS[kind].model_fields:
             if value is None or value in NO_OP[name] or (name == "best_of" and value == body.get("n", 1)):
                 continue
             raise _bad(name, f"{name}={value!r} is not supported; leave it out (Coral serves "
@@ -156,10 +178,16 @@ def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
 
 
 def _content(message: Any, i: int) -> dict[str, str]:
-    """One chat message as the template reads it: a role and text (text parts joined)."""
-    if not isinstance(message, dict) or set(message) - {"role", "content", "name"}:
-        raise _bad("messages", f"messages[{i}] must be an object with role and content (and optionally name)")
+    """One chat message as the template reads it: a role and text (text parts joined; an assistant's tool calls
+    written back as the Hermes blocks it would have said)."""
+    if not isinstance(message, dict) or set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
+        raise _bad("messages", f"messages[{i}] must be an object with role and content (and optionally name, "
+                               "tool_calls, tool_call_id)")
     role, content = message.get("role"), message.get("content")
+    if role == "assistant" and message.get("tool_calls"):
+        if not isinstance(message["tool_calls"], list):
+            raise _bad("messages", f"messages[{i}].tool_calls must be a list of calls")
+        return {"role": role, "content": tools.rendered(message, content if isinstance(content, str) else "")}
     if role not in ROLES:
         raise _bad("messages", f"messages[{i}].role={role!r}: use one of {', '.join(ROLES)}")
     if isinstance(content, list):
@@ -221,8 +249,9 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
         raise _bad(limit_name, str(exc)) from None
     if max_tokens is None:
         room = context.get(model)
-        max_tokens = DEFAULT_MAX_TOKENS if kind == "completion" or room is None else None
-        if max_tokens is None:
+        if kind == "completion" or room is None:
+            max_tokens = DEFAULT_MAX_TOKENS
+        else:
             max_tokens = max(1, room - max(len(ByteTokenizer().encode(p)) if isinstance(p, str) else len(p)
                                            for p in prompts))
     stream = _bool(body, "stream")
@@ -230,22 +259,50 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
     if options is not None:
         if not stream:
             raise _bad("stream_options", "stream_options needs stream: true")
-        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"} \
-                or options.get("continuous_usage_stats"):
-            raise _bad("stream_options", "stream_options supports include_usage only")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise _bad("stream_options", "stream_options supports include_usage and continuous_usage_stats")
     include_usage = bool(options and _bool(options, "include_usage"))
+    # As vLLM: continuous usage needs include_usage.
+    continuous = include_usage and bool(options and _bool(options, "continuous_usage_stats"))
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
     seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
+    stop, stop_ids = _stop(body)
+    min_tokens = _int(body, "min_tokens", 0, 0, max_tokens or 0)
+    try:
+        grammar = structured.read(body)
+        tool_plan = tools.plan(body) if kind == "chat" else None
+        if tool_plan is not None and tool_plan.grammar is not None:
+            if grammar is not None:
+                raise structured.StructuredError("tool_choice", "a required or named tool_choice is a structured "
+                                                                "output already; leave the other one out")
+            structured.check(tool_plan.grammar, "tools")
+            grammar = tool_plan.grammar
+    except structured.StructuredError as exc:
+        raise _bad(exc.param, exc.problem) from None
     try:
         sampling = SamplingParams(temperature=temperature, top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                                   top_k=_int(body, "top_k", 0, -1, 1 << 31),
                                   seed=(secrets.randbits(63) if seed is None else seed % (1 << 63)),
-                                  logprobs=logprobs)
+                                  logprobs=logprobs,
+                                  presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
+                                  frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+                                  repetition_penalty=_penalty(body), min_tokens=min_tokens or 0,
+                                  stop_token_ids=tuple(sorted(stop_ids)), structured=grammar)
     except RequestError as exc:
         raise ApiError(400, str(exc)) from None
-    stop, stop_ids = _stop(body)
+    skip = body.get("skip_special_tokens", True)
+    if not isinstance(skip, bool):
+        raise _bad("skip_special_tokens", f"skip_special_tokens={skip!r} must be true or false")
     return ApiRequest(kind, model, tuple(prompts), max_tokens, sampling, n, stop, stop_ids, stream, include_usage,
-                      kind == "completion" and _bool(body, "echo"), _bool(body, "ignore_eos"))
+                      kind == "completion" and _bool(body, "echo"), _bool(body, "ignore_eos"), continuous, skip,
+                      tool_plan)
+
+
+def _penalty(body: dict[str, Any]) -> float:
+    value = _number(body, "repetition_penalty", 1.0, 0.0, 2.0)
+    if value == 0:
+        raise _bad("repetition_penalty", "repetition_penalty must be in (0, 2]; 1 changes nothing")
+    return value
 
 
 @dataclass
@@ -262,8 +319,12 @@ class Choice:
     does), stop token ids end it (the token left out, like EOS), and text that may yet begin a stop string is held
     back until it cannot."""
 
-    def __init__(self, index: int, stop: tuple[str, ...], stop_ids: frozenset[int], prompt_tokens: int) -> None:
+    def __init__(self, index: int, stop: tuple[str, ...], stop_ids: frozenset[int], prompt_tokens: int,
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
         self.index, self.stop, self.stop_ids, self.prompt_tokens = index, stop, stop_ids, prompt_tokens
+        self.min_tokens, self.skip_special_tokens = min_tokens, skip_special_tokens
+        # vLLM's `stop_reason`: the stop string or token id that ended the choice (None: EOS or length).
+        self.stop_reason: str | int | None = None
         self.text = ""
         self.spans: list[tuple[int, int, int, TokenLogprobs | None]] = []  # token, text start, end, logprobs
         self.released = self.released_tokens = self.generated = 0
@@ -273,16 +334,24 @@ class Choice:
     def add(self, token: int, text: str, logprobs: TokenLogprobs | None) -> Piece:
         """Take one generated token; what can be released now (`finish` is set once a stop ended the choice)."""
         self.generated += 1
-        if token in self.stop_ids:
-            self.finish = "stop"
+        # As vLLM: neither stop token ids nor stop strings end a choice before `min_tokens` outputs.
+        stopping = self.generated > self.min_tokens
+        if stopping and token in self.stop_ids:
+            self.finish, self.stop_reason = "stop", token
             return self._release(len(self.text))
+        if not self.skip_special_tokens and token in (BOS, EOS):
+            text = f"<|{token}|>"
         self.spans.append((token, len(self.text), len(self.text) + len(text), logprobs))
         self.text += text
         hold = max((len(s) for s in self.stop), default=1) - 1
-        hits = [i for i in (self.text.find(s, max(0, self.released - len(s) + 1)) for s in self.stop) if i >= 0]
+        if not stopping:
+            return self._release(len(self.text) - hold)
+        hits = [(i, s) for i, s in ((self.text.find(s, max(0, self.released - len(s) + 1)), s) for s in self.stop)
+                if i >= 0]
         if hits:
+            at, self.stop_reason = min(hits)
             self.finish = "stop"
-            self.text = self.text[:min(hits)]
+            self.text = self.text[:at]
             return self._release(len(self.text))
         return self._release(len(self.text) - hold)
 
@@ -310,17 +379,29 @@ def _token_text(token: int) -> str:
     return ByteTokenizer().decode_token(token)
 
 
+def _logprobs(piece: Piece) -> list[TokenLogprobs] | None:
+    """The log-probabilities of `piece`'s tokens, or None where the request asked for none (a choice's tokens
+    carry them all or none)."""
+    if not piece.logprobs or piece.logprobs[0] is None:
+        return None
+    present = [lp for lp in piece.logprobs if lp is not None]
+    if len(present) != len(piece.logprobs):
+        raise RuntimeError("log-probabilities arrived for only some of a choice's tokens")
+    return present
+
+
 def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any] | None:
     """The legacy completions `logprobs` object of `piece`, text offsets from `offset`."""
-    if not piece.logprobs or piece.logprobs[0] is None:
+    logprobs = _logprobs(piece)
+    if logprobs is None:
         return None
     texts = [_token_text(t) for t in piece.tokens]
     offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)
-    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in piece.logprobs],
-            "top_logprobs": [{_token_text(t): v for t, v in lp.top} for lp in piece.logprobs],
+    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{_token_text(t): v for t, v in lp.top} for lp in logprobs],
             "text_offset": offsets}
 
 
@@ -332,10 +413,11 @@ def _entry(token: int, logprob: float) -> dict[str, Any]:
 
 def chat_logprobs(piece: Piece) -> dict[str, Any] | None:
     """The chat `logprobs` object of `piece` (`{"content": [...]}`)."""
-    if not piece.logprobs or piece.logprobs[0] is None:
+    logprobs = _logprobs(piece)
+    if logprobs is None:
         return None
     return {"content": [{**_entry(t, lp.logprob), "top_logprobs": [_entry(a, v) for a, v in lp.top]}
-                        for t, lp in zip(piece.tokens, piece.logprobs)]}
+                        for t, lp in zip(piece.tokens, logprobs)]}
 
 
 def usage(choices: list[Choice], req: ApiRequest) -> dict[str, int]:
@@ -355,13 +437,40 @@ def response(req: ApiRequest, meta: dict[str, Any], choices: list[Choice]) -> di
     out = []
     for c in choices:
         if req.kind == "chat":
-            out.append({"index": c.index, "message": {"role": "assistant", "content": c.out.text},
-                        "logprobs": chat_logprobs(c.out), "finish_reason": c.finish})
+            message, finish = assistant(req, c)
+            out.append({"index": c.index, "message": message, "logprobs": chat_logprobs(c.out),
+                        "finish_reason": finish, "stop_reason": c.stop_reason})
         else:
             echo = prompt_text(req, c.index) if req.echo else ""
             out.append({"index": c.index, "text": echo + c.out.text, "logprobs": completion_logprobs(c.out, 0),
-                        "finish_reason": c.finish, "token_ids": c.out.tokens})
+                        "finish_reason": c.finish, "stop_reason": c.stop_reason, "token_ids": c.out.tokens})
     return {**meta, "choices": out, "usage": usage(choices, req)}
+
+
+def assistant(req: ApiRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
+    """A finished chat choice's message and finish reason: its text, or the tool calls in it (finish reason
+    `tool_calls` for `required` and `auto`, as vLLM answers; a named call keeps `stop`)."""
+    if req.tool_plan is None:
+        return {"role": "assistant", "content": c.out.text}, c.finish
+    # Byte tokens show as one Latin-1 character each; the calls are read from the UTF-8 they spell.
+    text = c.out.text.encode("latin-1", "replace").decode("utf-8", "replace")
+    found, content = tools.calls(req.tool_plan, text)
+    if not found:
+        return {"role": "assistant", "content": c.out.text}, c.finish
+    finish = c.finish if req.tool_plan.mode == "named" or c.finish != "stop" else "tool_calls"
+    return {"role": "assistant", "content": content or None, "tool_calls": found}, finish
+
+
+def tool_chunks(req: ApiRequest, meta: dict[str, Any], c: Choice) -> list[dict[str, Any]]:
+    """A streamed tool-using choice's end: its content or its calls (OpenAI's delta shape, each call whole in one
+    delta), then its finish."""
+    message, finish = assistant(req, c)
+    delta: dict[str, Any] = {"content": message["content"]} if message.get("content") else {}
+    if "tool_calls" in message:
+        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+    ends = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}
+    return [{**meta, "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]},
+            {**meta, "choices": [ends]}]
 
 
 def chunk(req: ApiRequest, meta: dict[str, Any], c: Choice, piece: Piece | None, finish: str | None,
@@ -377,7 +486,14 @@ def chunk(req: ApiRequest, meta: dict[str, Any], c: Choice, piece: Piece | None,
         text = (prompt_text(req, c.index) if first and req.echo else "") + piece.text
         body = {"index": c.index, "text": text, "logprobs": completion_logprobs(piece, offset),
                 "finish_reason": finish, **({"token_ids": piece.tokens} if piece.tokens else {})}
-    return {**meta, "choices": [body]}
+    if finish:
+        body["stop_reason"] = c.stop_reason
+    out = {**meta, "choices": [body]}
+    if req.continuous_usage:
+        # vLLM's continuous usage: this choice's prompt and what it generated so far.
+        out["usage"] = {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.generated,
+                        "total_tokens": c.prompt_tokens + c.generated}
+    return out
 
 
 def response_meta(req: ApiRequest, rid: str, created: int, stream: bool) -> dict[str, Any]:

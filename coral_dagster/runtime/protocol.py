@@ -49,7 +49,7 @@ class Kind(StrEnum):
     # Engine node -> scheduler (with TOKEN, ERROR).
     HELLO = "hello"
     PULSE = "pulse"
-    # Scheduler -> engine node.
+    # Scheduler -> engine node (with CHALLENGE).
     WELCOME = "welcome"
     REJECT = "reject"
     REHELLO = "rehello"
@@ -144,7 +144,7 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
                              {"incarnation": S, "weight": N + NONE, "region": S + NONE, "split": L, "stages": L,
                               "limits": D + NONE, "proof": S}),
         Kind.HEARTBEAT: Shape(_INSTANCE, {"incarnation": S, "healthy": B, "in_flight": I, "draining": B,
-                                          "stages": L}),
+                                          "stages": L, "progressed": L, "stalled_s": N, "progress_timeout_s": N}),
         Kind.HEALTH: Shape({**_INSTANCE, "healthy": B}, {"problem": S}),
         Kind.TOKEN: Shape({**_INSTANCE, **_RID, "token": I}, {"logprobs": L + NONE}),
         Kind.DONE: Shape({**_INSTANCE, **_RID, "finish_reason": S}),
@@ -164,19 +164,19 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     },
     Link.NODE_TO_SCHEDULER: {
         Kind.HELLO: Shape({**_NODE, "stage": I, "start": I, "end": I, "data": S, "model": S},
-                          {"share": N, "engine": S, "streams": B, "incarnation": S}),
+                          {"share": N, "engine": S, "streams": B, "incarnation": S, "proof": S}),
         Kind.PULSE: Shape({**_NODE, "incarnation": S}),
         Kind.TOKEN: Shape({**_NODE, **_RID, "token": I, "pos": I}, {"logprobs": L + NONE, "kv_transfer_params": D}),
         Kind.ERROR: Shape({**_NODE, **_RID, "problem": S}, {"status": I + NONE}),
     },
     Link.SCHEDULER_TO_NODE: {
-        Kind.WELCOME: Shape(), Kind.REHELLO: Shape(), Kind.PING: Shape(), Kind.STOP: Shape(),
-        Kind.REJECT: Shape(optional={"problem": S}), Kind.FREE: Shape(_RID),
+        Kind.WELCOME: Shape(optional={"route_key": S}), Kind.REHELLO: Shape(), Kind.PING: Shape(), Kind.STOP: Shape(),
+        Kind.REJECT: Shape(optional={"problem": S}), Kind.FREE: Shape(_RID), Kind.CHALLENGE: Shape({"nonce": S}),
     },
     Link.DATA: {
         Kind.FORWARD: Shape({**_RID, "pos": I, "stage": I, "route": L},
-                            {"handoff": L + NONE, "max_tokens": I, "kv_transfer_params": D}),
-        Kind.KV: Shape({**_RID, "start": I, "end": I}),
+                            {"handoff": L + NONE, "max_tokens": I, "kv_transfer_params": D, "mac": S}),
+        Kind.KV: Shape({**_RID, "start": I, "end": I}, {"mac": S}),
     },
 }
 
@@ -228,6 +228,13 @@ class Env(StrEnum):
     TLS_CERTFILE = "CORAL_TLS_CERTFILE"
     TLS_KEYFILE = "CORAL_TLS_KEYFILE"
     ADMIT = "CORAL_ADMIT"
+    ALLOWED_ORIGINS = "CORAL_ALLOWED_ORIGINS"
+    ALLOWED_METHODS = "CORAL_ALLOWED_METHODS"
+    ALLOWED_HEADERS = "CORAL_ALLOWED_HEADERS"
+    # A launched coordinator's task: plain HTTP instead of its default HTTPS, and (for the standby) the primary it
+    # watches and takes over from (sky_tasks/coordinator.yaml reads both).
+    PLAIN_HTTP = "CORAL_PLAIN_HTTP"
+    PRIMARY = "CORAL_PRIMARY"
     # Coordinator and the launching machine: the key every instance credential derives from.
     REGISTRATION_KEY = "CORAL_REGISTRATION_KEY"
     # Scheduler.
@@ -242,6 +249,9 @@ class Env(StrEnum):
     INSTANCE_CREDENTIAL = "CORAL_INSTANCE_CREDENTIAL"
     # Engine node.
     NODE = "CORAL_NODE"
+    # Its slot's credential (`coral serve keys --credential INSTANCE --node NODE --stage S`), proving to its scheduler
+    # that it may join stage S under name NODE.
+    NODE_CREDENTIAL = "CORAL_NODE_CREDENTIAL"
     LAYERS = "CORAL_LAYERS"
     STAGE_RANK = "CORAL_STAGE_RANK"
     SCHEDULER = "CORAL_SCHEDULER"

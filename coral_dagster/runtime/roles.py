@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from coral_dagster.catalog.models import get_model
@@ -78,7 +80,12 @@ def run_scheduler(cfg: SchedulerConfig, insecure: bool = False, as_json: bool = 
     stop = threading.Event()
     drain = threading.Event()
     stop_on_signals(drain, stop)
-    threading.Thread(target=lambda: drain.wait() and sched.drain(), daemon=True).start()
+
+    def drain_when_asked() -> None:
+        drain.wait()
+        sched.drain()
+
+    threading.Thread(target=drain_when_asked, daemon=True).start()
     say(as_json, {"role": "scheduler", "instance": cfg.instance, "listen": sched.address},
          f"scheduler {cfg.instance} on {sched.address}")
     reason = sched.run(stop)
@@ -94,16 +101,17 @@ def run_engine(settings: NodeSettings, device: str | None = None, launch: dict[s
 
     _setup_logging()
     s = settings
+    node_of: Callable[..., EngineNode[Any]]
     if s.engine == "vllm":
         from coral_dagster.runtime.vllm_engine import head_engine
         from coral_dagster.runtime.vllm_node import VllmNode
 
-        engine, node_cls = head_engine(s.model, s.split, **(launch or {})), VllmNode
+        node_of = partial(VllmNode, s, head_engine(s.model, s.split, **(launch or {})))
     else:
-        engine, node_cls = make_engine(s.engine, s.model, s.start, s.end, device=device), EngineNode
+        node_of = partial(EngineNode, s, make_engine(s.engine, s.model, s.start, s.end, device=device))
     stop = threading.Event()
     stop_on_signals(stop)
-    n = node_cls(s, engine, keys=CurveKeys.from_env(), insecure=insecure)
+    n = node_of(keys=CurveKeys.from_env(), insecure=insecure, credential=credentials.from_env(Env.NODE_CREDENTIAL))
     say(as_json, {"role": "engine", "node": s.node, "data": n.address},
          f"engine {s.node} layers {s.start}:{s.end} on {n.address}")
     reason = n.run(stop)

@@ -22,15 +22,32 @@ MAX_LOGPROBS = 20
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 is greedy; top_k 0 keeps every token; `logprobs` None returns none, k the sampled token's
-    and the k most likely; `seed` is always set by the front door (drawn when the client sent none)."""
+    and the k most likely; `seed` is always set by the front door (drawn when the client sent none).
+
+    vLLM's penalties apply to the raw logits before temperature, in vLLM's order: `repetition_penalty` over the
+    prompt's tokens (`prompt_token_ids`) and the generated ones, then `frequency_penalty` times each generated
+    token's count, then `presence_penalty` once per generated token. `min_tokens`: EOS and `stop_token_ids` cannot
+    be drawn before that many outputs (outputs counted from position `prompt_len`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
     logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    prompt_len: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    # A grammar every output must follow: (kind, text), kind one of `structured.KINDS` (`runtime/structured.py`).
+    structured: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("stop_token_ids", "prompt_token_ids", "structured"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         checks = [
             (isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
              and math.isfinite(self.temperature) and 0 <= self.temperature <= 2, "temperature", "in [0, 2]"),
@@ -40,6 +57,19 @@ class SamplingParams:
             (is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64), "seed", "a 64-bit integer"),
             (self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
              f"an integer in [0, {MAX_LOGPROBS}]"),
+            *((isinstance(getattr(self, name), (int, float)) and not isinstance(getattr(self, name), bool)
+               and math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "in [-2, 2]")
+              for name in ("presence_penalty", "frequency_penalty")),
+            (isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
+             and math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 2, "repetition_penalty",
+             "in (0, 2]"),
+            *((is_int(getattr(self, name)) and getattr(self, name) >= 0, name, "a non-negative integer")
+              for name in ("min_tokens", "prompt_len")),
+            *((isinstance(getattr(self, name), tuple) and all(is_int(t) and t >= 0 for t in getattr(self, name)),
+               name, "a list of token ids") for name in ("stop_token_ids", "prompt_token_ids")),
+            (self.structured is None or (isinstance(self.structured, tuple) and len(self.structured) == 2
+                                         and all(isinstance(x, str) for x in self.structured)), "structured",
+             "a [kind, text] pair"),
         ]
         for ok, name, what in checks:
             if not ok:
@@ -48,6 +78,10 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def penalised(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def keep_k(self) -> int:
@@ -76,8 +110,20 @@ class SamplingParams:
         from vllm import SamplingParams as VllmSampling
         from vllm.sampling_params import RequestOutputKind
 
-        return VllmSampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+        structured = None
+        if self.structured is not None:
+            import json
+
+            from vllm.sampling_params import StructuredOutputsParams
+
+            kind, text = self.structured
+            structured = StructuredOutputsParams(**{"json_schema": {"json": text}, "regex": {"regex": text},
+                                                    "choice": {"choice": json.loads(text)}}[kind])
+        return VllmSampling(structured_outputs=structured, temperature=self.temperature, top_p=self.top_p,
+                            top_k=self.top_k,
                             seed=self.seed % (1 << 63) if not self.greedy else None, logprobs=self.logprobs,
+                            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                            repetition_penalty=self.repetition_penalty,
                             max_tokens=max_tokens, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.DELTA)
 

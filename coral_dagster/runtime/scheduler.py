@@ -6,6 +6,7 @@ import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,16 @@ from coral_dagster.runtime.tokenizer import finish_reason
 from coral_dagster.routing import WeightedRoundRobin
 
 log = logging.getLogger(__name__)
+
+# A prompt is sent through the stages in chunks of this many tokens, each one forward pass: a long prompt's prefill
+# never holds a stage for one huge (quadratic) pass, and other requests' steps run between its chunks.
+PREFILL_CHUNK_TOKENS = 256
+# Prefill tokens in flight on the instance at once; chunks past it wait, the request with the fewest prompt tokens
+# left first (shortest remaining first): a light request waits at most for the chunks in flight, never behind a heavy
+# one (many long prompts), and the heavy one's prompts finish one after another rather than all at the end.
+PREFILL_BUDGET_TOKENS = 512
+# Engine connections awaiting their proof that the scheduler remembers a nonce for (a flood forgets the oldest).
+MAX_NODE_NONCES = 1024
 
 
 @dataclass
@@ -52,6 +63,13 @@ class _Request:
     streamed: bool = False
     # Sampling parameters as the coordinator sent them (`runtime/sampling.py`), passed to the last stage.
     sampling: dict[str, Any] | None = None
+    # Prompt tokens not yet sent (chunked prefill), the KV handoff that goes with the last chunk, and the tokens of
+    # the chunk now in flight (counted against the instance's prefill budget).
+    prompt_left: list[int] = field(default_factory=list)
+    handoff: list | None = None
+    chunk_tokens: int = 0
+    # When the request reached this instance: the prefill queue's tie-break.
+    arrived: float = field(default_factory=time.monotonic)
 
 
 class Scheduler:
@@ -70,6 +88,12 @@ class Scheduler:
 
     A coordinator that holds a registration key answers `register` with `challenge {nonce}`; the registration is
     then sent again with a proof of `credential` (the instance's, from `credentials.instance_credential`).
+
+    With a `credential`, an engine node joins only by proving its own slot's (`credentials.node_credential` of this
+    instance, its stage and its name): a `hello` without a proof is answered with `challenge {nonce}` and nothing
+    else, a wrong proof with `reject`, so a process holding only the deployment's CURVE key is never welcomed and is
+    never routed a request. Without one (no registration key in the deployment) nodes are bound to their connection
+    only.
     """
 
     def __init__(self, cfg: SchedulerConfig, keys: CurveKeys | None = None, insecure: bool = False,
@@ -77,6 +101,8 @@ class Scheduler:
         self.cfg = cfg
         self.credential = credential
         self._nonce: str | None = None
+        # The nonce each engine connection must answer in its hello, oldest dropped first.
+        self._node_nonces: OrderedDict[bytes, str] = OrderedDict()
         self.ranges = stage_ranges(cfg.split)
         # An own context is terminated on close, which flushes the last messages before the process exits.
         self._own_ctx = ctx is None
@@ -87,8 +113,18 @@ class Scheduler:
         self.address = self.security.bind(self.engines, cfg.listen, router=True)
         self.coord = self.ctx.socket(zmq.DEALER)
         self.coord.linger = 0
-        self.security.connect(self.coord, cfg.coordinator)
+        coordinators = [e.strip() for e in cfg.coordinator.split(",") if e.strip()]
+        if len(coordinators) > 1:
+            # A coordinator pair (primary, standby): only one listens at a time, so queue only to a connection that
+            # is up, and drop one whose peer stopped answering ZeroMQ heartbeats (a VM gone without a reset).
+            self.coord.immediate = True
+            self.coord.heartbeat_ivl = int(1000 * cfg.timing.heartbeat_s)
+            self.coord.heartbeat_timeout = int(1000 * cfg.timing.dead_after_s)
+        for endpoint in coordinators:
+            self.security.connect(self.coord, endpoint)
         self.incarnation = secrets.token_hex(16)
+        # Given to welcomed nodes only: every data message into this instance carries a MAC under it.
+        self.route_key = secrets.token_hex(32)
         self.nodes: dict[str, _Node] = {}
         self.requests: dict[str, _Request] = {}
         self._wrr = [WeightedRoundRobin() for _ in self.ranges]
@@ -96,6 +132,12 @@ class Scheduler:
         self.registered = False
         self.healthy = False
         self.draining_since: float | None = None
+        # Requests whose next prefill chunk waits for the budget; prefill tokens in flight.
+        self._prefill_queue: list[str] = []
+        self._prefill_in_flight = 0
+        # When any request last progressed (a token or a prefill chunk), and which did since the last heartbeat.
+        self._last_progress = time.monotonic()
+        self._progressed: set[str] = set()
 
     def drain(self) -> None:
         """Ask the scheduler (from any thread) to stop taking requests, finish those in flight and leave."""
@@ -149,6 +191,7 @@ class Scheduler:
                     last_beat = now
                     self._beat()
                 self._check_requests(now)
+                self._pump_prefill()
                 if self._drain.is_set() and self.draining_since is None:
                     self.draining_since = now
                     self._to_coord({"kind": "draining"})
@@ -165,9 +208,13 @@ class Scheduler:
     def _beat(self) -> None:
         if not self.registered and all(self._stage_ready()):
             self._to_coord(self._registration())
+        now = time.monotonic()
         self._to_coord({"kind": "heartbeat", "incarnation": self.incarnation, "healthy": self.healthy,
                         "in_flight": len(self.requests), "draining": self.draining_since is not None,
-                        "stages": self._stages()})
+                        "stages": self._stages(), "progressed": sorted(self._progressed),
+                        "stalled_s": now - self._last_progress if self.requests else 0.0,
+                        "progress_timeout_s": self._progress_timeout_s()})
+        self._progressed.clear()
         for n in self.nodes.values():
             self._to_node(n.node, {"kind": "ping"})
 
@@ -215,11 +262,22 @@ class Scheduler:
                 if n.address in r.route:
                     self._fail(rid, problem)
 
+    def _progress_timeout_s(self) -> float:
+        """How long a request may go without progress: `request_timeout_s` per budget's worth of prefill tokens the
+        stages hold (in flight and waiting), so the limit scales with the work ahead of it."""
+        held = self._prefill_in_flight + sum(len(self.requests[rid].prompt_left) for rid in self._prefill_queue
+                                             if rid in self.requests)
+        return self.cfg.timing.request_timeout_s * max(1.0, held / PREFILL_BUDGET_TOKENS)
+
     def _check_requests(self, now: float) -> None:
-        limit = self.cfg.timing.request_timeout_s
+        limit = self._progress_timeout_s()
         for rid, r in list(self.requests.items()):
             if now - r.last_progress > limit:
                 self._fail(rid, f"no progress on instance {self.cfg.instance} for {limit:g} s")
+
+    def _progress(self, r: _Request, now: float) -> None:
+        r.last_progress = self._last_progress = now
+        self._progressed.add(r.rid)
 
     def _fail(self, rid: str, problem: str, status: int | None = None) -> None:
         """Fail one request; `status` 4xx says the request itself is at fault, so it is not retried elsewhere."""
@@ -230,6 +288,8 @@ class Scheduler:
         self._to_coord({"kind": "error", "rid": rid, "problem": problem, "status": status})
 
     def _free(self, r: _Request) -> None:
+        self._prefill_in_flight -= r.chunk_tokens
+        r.chunk_tokens = 0
         by_address = {n.address: n.node for n in self.nodes.values()}
         for address in r.route:
             if address in by_address:
@@ -272,8 +332,32 @@ class Scheduler:
     def _node_error(self, h: dict[str, Any], now: float) -> None:
         self._fail(h["rid"], h["problem"], h.get("status"))
 
+    def _node_proven(self, ident: bytes, h: dict[str, Any]) -> bool:
+        """Whether the hello answers its connection's nonce with a proof of the node's slot credential; else
+        challenges the connection (no answer yet) or rejects it (a wrong answer)."""
+        nonce, answer = self._node_nonces.get(ident), h.get("proof")
+        if nonce is None or answer is None:
+            if nonce is None:
+                self._node_nonces[ident] = nonce = secrets.token_hex(16)
+                while len(self._node_nonces) > MAX_NODE_NONCES:
+                    self._node_nonces.popitem(last=False)
+            wire.send(self.engines, {"kind": Kind.CHALLENGE, "nonce": nonce}, to=ident)
+            return False
+        del self._node_nonces[ident]
+        name, stage = str(h["node"]), int(h["stage"])
+        if credentials.verify_node(self.credential, nonce, stage, name, str(h.get("incarnation", "")), answer):
+            return True
+        problem = (f"its credential does not prove node {name} of stage {stage} of instance {self.cfg.instance}; set "
+                   f"{Env.NODE_CREDENTIAL.value} to `coral serve keys --credential {self.cfg.instance} --node {name} "
+                   f"--stage {stage}` run with this deployment's {Env.REGISTRATION_KEY.value}")
+        log.warning("rejected a hello: %s", problem)
+        wire.send(self.engines, {"kind": Kind.REJECT, "problem": problem}, to=ident)
+        return False
+
     def _hello(self, ident: bytes, h: dict[str, Any], now: float) -> None:
         name, incarnation = str(h["node"]), str(h.get("incarnation", ""))
+        if self.credential and not self._node_proven(ident, h):
+            return
         old = self.nodes.get(name)
         if old is not None and old.ident != ident:
             if wire.send(self.engines, {"kind": "ping"}, to=old.ident):
@@ -297,7 +381,7 @@ class Scheduler:
             self._lose([old], "was restarted (its process was replaced)")
         self.nodes[name] = _Node(name, stage, float(h.get("share", 1.0)), str(h["data"]), now,
                                  bool(h.get("streams")), ident, incarnation)
-        self._to_node(name, {"kind": "welcome"})
+        self._to_node(name, {"kind": "welcome", "route_key": self.route_key})
         self._set_health()
 
     def _route(self) -> list[str] | None:
@@ -312,8 +396,36 @@ class Scheduler:
 
     def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None,
                  kv_transfer_params: dict | None = None) -> None:
+        """Send `tokens` into the route: a prompt (more than one token) through the prefill queue, in chunks, on a
+        per-step route; at once otherwise, and to a streaming engine (vLLM chunks its own prefill)."""
+        if len(tokens) > 1 and not r.streamed and kv_transfer_params is None:
+            r.prompt_left, r.handoff = list(tokens), handoff
+            self._prefill_queue.append(r.rid)
+            self._pump_prefill()
+            return
+        self._send_step(r, tokens, handoff, kv_transfer_params)
+
+    def _pump_prefill(self) -> None:
+        """Send waiting prompt chunks while the budget allows (always one when none is in flight), the request with
+        the fewest prompt tokens left first, then the earliest."""
+        queue = self._prefill_queue
+        queue[:] = [rid for rid in queue if rid in self.requests]
+        while queue:
+            rid = min(queue, key=lambda q: (len(self.requests[q].prompt_left), self.requests[q].arrived))
+            r = self.requests[rid]
+            chunk = r.prompt_left[:PREFILL_CHUNK_TOKENS]
+            if self._prefill_in_flight and self._prefill_in_flight + len(chunk) > PREFILL_BUDGET_TOKENS:
+                return
+            queue.remove(rid)
+            r.prompt_left = r.prompt_left[len(chunk):]
+            r.chunk_tokens = len(chunk)
+            self._prefill_in_flight += len(chunk)
+            self._send_step(r, chunk, None if r.prompt_left else r.handoff)
+
+    def _send_step(self, r: _Request, tokens: list[int], handoff: list | None = None,
+                   kv_transfer_params: dict | None = None) -> None:
         header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
-                  "sampling": r.sampling}
+                  "sampling": r.sampling, "mac": credentials.step_mac(self.route_key, r.rid, r.pos, 0)}
         if r.streamed:
             header["max_tokens"] = r.max_tokens - r.n_out
         if kv_transfer_params is not None:
@@ -382,7 +494,8 @@ class Scheduler:
     def _first_token(self, h: dict[str, Any], now: float) -> None:
         r = self.requests.get(h["rid"])
         if r is not None:
-            r.n_out, r.last_progress = 1, now
+            r.n_out = 1
+            self._progress(r, now)
             if "kv_transfer_params" in h:
                 # A vLLM decode instance runs the prompt and the first token again from position 0, its connector
                 # loading the prompt's KV from the vLLM prefill instance.
@@ -398,6 +511,9 @@ class Scheduler:
             self._to_coord({"kind": "error", "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})
             return
         route = self._route()
+        if not self.requests:
+            # Idle until now: silence before this request is not a stall.
+            self._last_progress = now
         mode = {"generate": "aggregated"}.get(kind, kind)
         r = _Request(rid, mode, route, 0, int(h.get("max_tokens", 1)), bool(h.get("ignore_eos")), last_progress=now,
                      sampling=h.get("sampling"))
@@ -406,7 +522,8 @@ class Scheduler:
         self.requests[rid] = r
         if kind == "decode":
             r.pos = int(h["prompt_len"])
-            span = [[a, b, address] for (a, b), address in zip(self.ranges, route)]
+            span = [[a, b, address, credentials.kv_mac(self.route_key, rid)]
+                    for (a, b), address in zip(self.ranges, route)]
             self._to_coord({"kind": "kv_route", "rid": rid, "route": span})
         else:
             self._forward(r, [int(x) for x in h["tokens"]], h.get("handoff") if kind == "prefill" else None)
@@ -416,7 +533,16 @@ class Scheduler:
         r = self.requests.get(rid)
         if r is None:
             return
-        r.last_progress, r.pos = now, pos
+        self._progress(r, now)
+        r.pos = pos
+        if r.chunk_tokens:
+            self._prefill_in_flight -= r.chunk_tokens
+            r.chunk_tokens = 0
+            if r.prompt_left:
+                # A chunk of the prompt is in the caches; its sampled token means nothing yet.
+                self._prefill_queue.append(rid)
+                self._pump_prefill()
+                return
         extra = {"logprobs": logprobs} if logprobs is not None else {}
         if r.mode == "prefill":
             del self.requests[rid]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import secrets
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,28 +64,9 @@ def write_secret(path: Path, text: str) -> None:
     The text goes to a new file (O_EXCL, O_NOFOLLOW) that then replaces `path`; a rename replaces a link that
     appeared meanwhile, never its target.
     """
-    path = Path(path)
-    fix = "remove it, or pass another --log-dir (one only you can write to)"
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        st = None
-    if st is not None and stat.S_ISLNK(st.st_mode):
-        raise CoralError(f"{path} is a symbolic link; refusing to write a key through it.", fix)
-    if st is not None and not stat.S_ISREG(st.st_mode):
-        raise CoralError(f"{path} is not a regular file; refusing to write a key there.", fix)
-    if st is not None and st.st_uid != os.getuid():
-        raise CoralError(f"{path} belongs to user id {st.st_uid}, not to you; refusing to write a key there.", fix)
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from coral_dagster.files import PRIVATE_MODE, write_file
+
+    write_file(path, text, PRIVATE_MODE, private=True, fix="pass another --log-dir")
 
 
 def endpoint_host(endpoint: str) -> str:

@@ -12,7 +12,9 @@ from torch.nn import functional as F
 
 from coral_dagster.runtime.engine import Engine, Step, StepOutput, validate_layers
 from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
+from coral_dagster.runtime.structured import Guides
 from coral_dagster.runtime.tiny import DecoderConfig
+from coral_dagster.runtime.tokenizer import EOS
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
@@ -90,15 +92,24 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> to
     return (probs @ values).transpose(0, 1).reshape(n, heads * d)
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams | None],
-           positions: list[int]) -> list[tuple[int, TokenLogprobs | None]]:
+def sample(logits: torch.Tensor, params: list[SamplingParams | None], positions: list[int],
+           outputs: list[list[int]] | None = None,
+           allowed: list[torch.Tensor | None] | None = None) -> list[tuple[int, TokenLogprobs | None]]:
     """One token per row of `logits` (`[n, vocab]`, float32) under its request's parameters (None: greedy), drawn
-    for output position `positions[i]`; with its raw log-probabilities when asked."""
+    for output position `positions[i]` after the tokens `outputs[i]` it generated so far (what penalties count);
+    with its raw log-probabilities when asked (before penalties, as vLLM's `raw_logprobs`)."""
     greedy = logits.argmax(dim=-1).tolist()
     out = []
-    for row, p, pos, best in zip(logits, params, positions, greedy):
+    for i, (row, p, pos, best) in enumerate(zip(logits, params, positions, greedy)):
         p = p or SamplingParams()
-        token = best if p.greedy else _draw(row, p, pos)
+        adjusted = penalised(row, p, pos, outputs[i] if outputs else [])
+        mask = allowed[i] if allowed else None
+        if mask is not None:
+            # The grammar's mask (structured outputs) comes last, as vLLM applies it.
+            adjusted = adjusted.masked_fill(~mask.to(adjusted.device), float("-inf"))
+        if adjusted is not row:
+            best = int(adjusted.argmax())
+        token = best if p.greedy else _draw(adjusted, p, pos)
         lp = None
         if p.logprobs is not None:
             logp = torch.log_softmax(row, dim=-1)
@@ -106,6 +117,28 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None],
             lp = TokenLogprobs(float(logp[token]), tuple(zip(map(int, ids.tolist()), map(float, values.tolist()))))
         out.append((int(token), lp))
     return out
+
+
+def penalised(row: torch.Tensor, p: SamplingParams, pos: int, outputs: list[int]) -> torch.Tensor:
+    """`row` under vLLM's penalties and `min_tokens` (`row` itself when none applies), for the token drawn at
+    position `pos` after `outputs` (vllm/model_executor/layers/utils.py `apply_penalties`, then the min-tokens
+    logits processor)."""
+    holding = pos - p.prompt_len < p.min_tokens
+    if not (p.penalised or holding):
+        return row
+    row = row.clone()
+    vocab = row.numel()
+    if p.repetition_penalty != 1:
+        seen = torch.tensor(sorted({t for t in (*p.prompt_token_ids, *outputs) if t < vocab}), dtype=torch.long)
+        if seen.numel():
+            values = row[seen]
+            row[seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+    if outputs and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(outputs, dtype=torch.long), minlength=vocab)[:vocab].to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if holding:
+        row[[t for t in (EOS, *p.stop_token_ids) if t < vocab]] = float("-inf")
+    return row
 
 
 def _draw(row: torch.Tensor, p: SamplingParams, pos: int) -> int:
@@ -141,10 +174,17 @@ class TorchEngine(Engine):
         self.layers = [LayerWeights(**{f: move(getattr(w, f)) for f in LayerWeights.__dataclass_fields__})
                        for w in (layer_weights(cfg, i) for i in range(start, end))]
         self.embed = move(embedding_weights(cfg)) if self.is_first else None
-        self.final_norm, self.lm_head = (tuple(map(move, head_weights(cfg))) if self.is_last else (None, None))
+        self.final_norm: torch.Tensor | None = None
+        self.lm_head: torch.Tensor | None = None
+        if self.is_last:
+            norm, head = head_weights(cfg)
+            self.final_norm, self.lm_head = move(norm), move(head)
         d = cfg.head_dim
         self.inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=self.device) / d)
         self._cache: dict[str, list[KV | None]] = {}
+        # Tokens the last stage sampled per request, kept for requests with penalties (what they count).
+        self._outputs: dict[str, list[int]] = {}
+        self.guides = Guides(cfg.vocab)
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
@@ -168,9 +208,10 @@ class TorchEngine(Engine):
         layers = self._cache.get(rid)
         if layers is None:
             return 0
-        if any(kv is None for kv in layers):
+        cached = [kv for kv in layers if kv is not None]
+        if len(cached) != len(layers):
             return None
-        return int(layers[0][0].shape[1])
+        return int(cached[0][0].shape[1])
 
     def _check_steps(self, steps: list[Step]) -> None:
         if len({s.rid for s in steps}) != len(steps):
@@ -189,10 +230,15 @@ class TorchEngine(Engine):
         cfg = self.cfg
         sizes = [s.n_tokens for s in steps]
         if self.is_first:
+            if self.embed is None:
+                raise RuntimeError("the first stage holds no embedding")
             ids = torch.from_numpy(np.concatenate([np.asarray(s.tokens, dtype=np.int64) for s in steps]))
             x = self.embed[ids.to(self.device)]
         else:
-            x = torch.cat([self.from_wire(s.hidden) for s in steps])
+            hidden = [s.hidden for s in steps if s.hidden is not None]
+            if len(hidden) != len(steps):
+                raise RuntimeError("a step after the first stage carries no hidden states")
+            x = torch.cat([self.from_wire(a) for a in hidden])
         positions = torch.cat([torch.arange(s.pos, s.pos + n) for s, n in zip(steps, sizes)]).to(self.device)
         cos, sin = self._rope(positions)
         for s in steps:
@@ -216,11 +262,21 @@ class TorchEngine(Engine):
         ends = np.cumsum(sizes)
         if not self.is_last:
             return [StepOutput(s.rid, hidden=self.to_wire(x[e - n:e])) for s, n, e in zip(steps, sizes, ends)]
+        if self.final_norm is None or self.lm_head is None:
+            raise RuntimeError("the last stage holds no head weights")
         last = rms_norm(x[torch.as_tensor(ends - 1, device=self.device)], self.final_norm, cfg.norm_eps)
         logits = F.linear(last, self.lm_head).float()
-        return [StepOutput(s.rid, token=token, logprobs=lp)
-                for s, (token, lp) in zip(steps, sample(logits, [s.sampling for s in steps],
-                                                        [s.pos + s.n_tokens for s in steps]))]
+        outputs = [self._outputs.setdefault(s.rid, []) if s.sampling is not None and s.sampling.penalised else []
+                   for s in steps]
+        allowed = [self.guides.allowed(s.rid, s.sampling.structured)
+                   if s.sampling is not None and s.sampling.structured else None for s in steps]
+        sampled = sample(logits, [s.sampling for s in steps], [s.pos + s.n_tokens for s in steps], outputs, allowed)
+        for s, (token, _) in zip(steps, sampled):
+            if s.sampling is not None and s.sampling.penalised:
+                self._outputs[s.rid].append(token)
+            if s.sampling is not None and s.sampling.structured:
+                self.guides.advance(s.rid, token)
+        return [StepOutput(s.rid, token=token, logprobs=lp) for s, (token, lp) in zip(steps, sampled)]
 
     def _append(self, rid: str, li: int, k: torch.Tensor, v: torch.Tensor) -> KV:
         kv = self._cache[rid][li]
@@ -231,7 +287,9 @@ class TorchEngine(Engine):
 
     def export_kv(self, rid: str, start: int, end: int) -> list[np.ndarray]:
         self.check_range(start, end)
-        layers = self._cache[rid][start - self.start:end - self.start]
+        layers = [kv for kv in self._cache[rid][start - self.start:end - self.start] if kv is not None]
+        if len(layers) != end - start:
+            raise RuntimeError(f"request {rid}: layers [{start}, {end}) are not all cached")
         return [self.to_wire(t) for kv in layers for t in kv]
 
     def import_kv(self, rid: str, start: int, end: int, arrays: list[np.ndarray]) -> None:
@@ -244,3 +302,5 @@ class TorchEngine(Engine):
 
     def free(self, rid: str) -> None:
         self._cache.pop(rid, None)
+        self._outputs.pop(rid, None)
+        self.guides.free(rid)

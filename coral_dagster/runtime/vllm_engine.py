@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime.engine import Engine, Step
+from coral_dagster.runtime.engine import Engine, Step, StepOutput
 from coral_dagster.runtime.sampling import SamplingParams, TokenLogprobs
 
 #: What a prefill request of a PD pair carries (vLLM's toy_proxy_server.py, `send_request_to_service`).
@@ -111,16 +111,15 @@ def run_serve_line(argv: Sequence[str]) -> None:
     command.cmd(args)
 
 
-class VllmEngine:
+class VllmEngine(Engine):
     """The head of a vLLM instance: requests go in once, then `step()` returns the tokens each one produced.
 
-    Duck-types the parts of `Engine` an engine node reads (`is_first`, `check_step`, `cache_length`, `free`); it
-    does not run Coral's per-step forwards, and it holds every layer (vLLM places the stages on the instance's nodes).
+    An `Engine` for the parts an engine node reads (`is_first`, `check_step`, `cache_length`, `free`); it does not
+    run Coral's per-step forwards nor hand KV over layer by layer, and it holds every layer (vLLM places the stages
+    on the instance's nodes).
     """
 
-    is_first = True
-    is_last = True
-    check_step = Engine.check_step
+    max_context: int
 
     def __init__(self, launch: VllmLaunch, n_layers: int, vocab: int) -> None:
         if sum(launch.split) != n_layers:
@@ -177,9 +176,9 @@ class VllmEngine:
             completion = o.outputs[0] if o.outputs else None
             for i, token in enumerate(completion.token_ids if completion else ()):
                 self._length[o.request_id] = self._length.get(o.request_id, 0) + 1
+                logprobs = completion.logprobs if completion else None
                 out.append((o.request_id, int(token), self._length[o.request_id],
-                            _logprobs(completion.logprobs[i], int(token), self._top[o.request_id])
-                            if completion.logprobs else None))
+                            _logprobs(logprobs[i], int(token), self._top[o.request_id]) if logprobs else None))
             if o.finished:
                 if o.request_id in self._prefills:
                     self._prefills.discard(o.request_id)
@@ -203,12 +202,26 @@ class VllmEngine:
     def cache_length(self, rid: str) -> int | None:
         return 0 if rid not in self._length else self._length[rid]
 
+    def forward(self, steps: list[Step]) -> list[StepOutput]:
+        raise _not_per_step()
+
+    def export_kv(self, rid: str, start: int, end: int) -> list[np.ndarray]:
+        raise _not_per_step()
+
+    def import_kv(self, rid: str, start: int, end: int, arrays: list[np.ndarray]) -> None:
+        raise _not_per_step()
+
     def free(self, rid: str) -> None:
         self._top.pop(rid, None)
         self._prefills.discard(rid)
         self.kv_params.pop(rid, None)
         if self._length.pop(rid, None) is not None:
             self.llm.abort_request([rid])
+
+
+def _not_per_step() -> CoralError:
+    return CoralError("a vLLM instance streams whole requests; it runs no per-step forwards and hands no KV over "
+                      "layer by layer.", "send it one forward per request from position 0 (`VllmNode`)")
 
 
 def _logprobs(position: dict, token: int, k: int) -> TokenLogprobs:

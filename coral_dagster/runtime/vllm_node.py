@@ -7,10 +7,10 @@ from typing import Any
 
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.node import EngineNode
-from coral_dagster.runtime.vllm_engine import PREFILL_KV_PARAMS
+from coral_dagster.runtime.vllm_engine import PREFILL_KV_PARAMS, VllmEngine
 
 
-class VllmNode(EngineNode):
+class VllmNode(EngineNode[VllmEngine]):
     """Speaks the engine-node protocol to the scheduler; a `forward` carries the prompt and `max_tokens` once,
     and every token vLLM produces goes to the scheduler as it appears (`free` aborts the request in vLLM).
 
@@ -47,7 +47,7 @@ class VllmNode(EngineNode):
         now = time.monotonic()
         for rid, token, pos, logprobs in produced:
             self._touched[rid] = now
-            extra = {"logprobs": logprobs.message()} if logprobs else {}
+            extra: dict[str, Any] = {"logprobs": logprobs.message()} if logprobs else {}
             if rid in self.engine.kv_params:
                 extra["kv_transfer_params"] = self.engine.kv_params.pop(rid)
             self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos, **extra})

@@ -39,7 +39,7 @@ def pack(header: dict[str, Any], arrays: Sequence[np.ndarray] = ()) -> list[Any]
             raise WireError(f"dtype {a.dtype} cannot travel on the wire.",
                             f"convert to one of {sorted(ALLOWED_DTYPES)}")
         descs.append([a.dtype.str, list(a.shape)])
-        bufs.append(memoryview(a.reshape(-1)).cast("B") if a.size else b"")
+        bufs.append(a.reshape(-1).data.cast("B") if a.size else b"")
     return [json.dumps({**header, "tensors": descs}, separators=(",", ":")).encode(), *bufs]
 
 

@@ -161,7 +161,7 @@ class _Node:
                  "busy_ms", "iterations", "decode_seqs", "prefill_tokens", "preemptions", "nic_gbps", "tx",
                  "rx", "layer_start", "layer_end", "config")
 
-    def __init__(self, idx, inst, stage, lat, nic_gbps, layer_start, layer_end, config, max_running, watermark):
+    def __init__(self, idx, inst, stage, lat, nic_gbps, layer_start, layer_end, config, max_running, watermark) -> None:
         self.idx, self.inst, self.stage, self.lat = idx, inst, stage, lat
         self.is_first = stage == 0
         self.is_last = stage == inst.n_stages - 1
@@ -191,10 +191,11 @@ class _Instance:
     __slots__ = ("idx", "model", "phase", "region", "template_id", "usd_per_hour", "weight", "n_stages", "stages",
                  "pickers", "queue", "single_path", "paths", "batches", "candidate", "routed", "max_model_len")
 
-    def __init__(self, idx, model, phase, region, template_id, usd_per_hour, weight, n_stages):
+    def __init__(self, idx, model, phase, region, template_id, usd_per_hour, weight, n_stages) -> None:
         self.idx, self.model, self.phase, self.region = idx, model, phase, region
         self.template_id, self.usd_per_hour, self.weight, self.n_stages = template_id, usd_per_hour, weight, n_stages
         self.stages: list[list[_Node]] = []
+        self.candidate: Candidate  # set by the engine once the instance's routing weight is known
         self.routed = 0
         self.pickers: list[_Stride] = []
         self.queue: deque[int] = deque()
@@ -219,7 +220,7 @@ class _Group:
 
     __slots__ = ("path", "size", "ctx", "cycle", "heap", "pending", "pending_ctx")
 
-    def __init__(self, path, size, ctx, heap):
+    def __init__(self, path, size, ctx, heap) -> None:
         self.path, self.size, self.ctx, self.cycle, self.heap = path, size, ctx, 0, heap
         self.pending: list[tuple[int, int]] = []
         self.pending_ctx = 0
@@ -402,12 +403,20 @@ class Engine:
             return out
         self.routed[r] = True
         entry, decode = route
-        self.decode_of[r] = self.by_key[decode.key] if decode is not None else None
+        decode_inst = self.by_key[decode.key] if decode is not None else None
+        self.decode_of[r] = decode_inst
         self.by_key[entry.key].routed += 1
-        if decode is not None:
-            self.decode_of[r].routed += 1
+        if decode_inst is not None:
+            decode_inst.routed += 1
         self._enqueue(self.by_key[entry.key], r, now, out)
         return out
+
+    def _path(self, r: int) -> tuple[_Node, ...]:
+        """The path request r was admitted on (`_enqueue` sets it before any stage sees r)."""
+        path = self.path_of[r]
+        if path is None:
+            raise RuntimeError(f"request {r} has no path: it was never enqueued")
+        return path
 
     def _enqueue(self, inst: _Instance, r: int, now: float, out: list) -> None:
         path = inst.path()
@@ -427,7 +436,7 @@ class Engine:
         decodes = inst.phase != "prefill"
         while q:
             r = q[0]
-            path = self.path_of[r]
+            path = self._path(r)
             redo = self.redo[r]
             if not decodes:
                 need = self.prompt[r]
@@ -523,6 +532,8 @@ class Engine:
         """Prefill nodes send each decode node the KV of the layers both hold, all pairs at once; r joins its
         micro-batch when the last lands."""
         src_path = self.prefill_path[r]
+        if src_path is None:
+            raise RuntimeError(f"request {r} reached decode with no prefill path: `_prefilled` sets it first")
         per_layer = self.specs[self.model_names[r]].kv_bytes_per_layer(self.prompt[r])
         pairs = []
         for src in src_path:
@@ -541,7 +552,7 @@ class Engine:
     def _kv_landed(self, now: float, r: int):
         out: list = []
         self._release_prefill(r, now, out)
-        self._join(self.path_of[r], r, self.output[r] - 1, None, now, out)
+        self._join(self._path(r), r, self.output[r] - 1, None, now, out)
         return out
 
     def _join(self, path: tuple[_Node, ...], r: int, n_left: int, tail: _Node | None, now: float, out: list) -> None:
@@ -693,7 +704,7 @@ class Engine:
                 entry[0].append(g)
                 entry[2] += g.size
             for c in chunks:
-                nxt = self.path_of[c[0]][stage]
+                nxt = self._path(c[0])[stage]
                 entry = targets.get(nxt)
                 if entry is None:
                     targets[nxt] = entry = [[], [], 0]
@@ -762,7 +773,7 @@ class Engine:
 
     def _prefilled(self, r: int, tail: _Node, now: float, out: list, freed: dict) -> None:
         """The last chunk of r's prompt left the last stage: its first token exists (or a recompute is done)."""
-        path = self.path_of[r]
+        path = self._path(r)
         inst = path[0].inst
         if self.redo[r] >= 0:
             n_left, self.redo[r] = self.redo[r], -1
@@ -776,17 +787,18 @@ class Engine:
             self._join(path, r, self.output[r] - 1, tail, now, out)
             return
         self.prefill_path[r] = path
-        if self.decode_of[r] is None:
+        decode = self.decode_of[r]
+        if decode is None:
             self.status[r] = NO_DECODE
             self._release_prefill(r, now, out)
             return
-        self._enqueue(self.decode_of[r], r, now, out)
+        self._enqueue(decode, r, now, out)
 
     def _finish(self, r: int, now: float, freed: dict, kv_tokens: float) -> None:
         """r is done: its path's nodes free `kv_tokens` each (and a running slot, past prefill)."""
         self.finish[r] = now
         self.status[r] = OK
-        path = self.path_of[r]
+        path = self._path(r)
         inst = path[0].inst
         decodes = inst.phase != "prefill"
         for n in path:

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.profiles.stage_times import ProfileStage, StageLatency
+
+if TYPE_CHECKING:
+    from coral_dagster.profiles.perf import PerfModel
 
 
 class LatencyModel(Protocol):
@@ -45,7 +48,7 @@ class ConstantLatencyModel:
 class ProfileLatencyModel:
     """Stage times from the fitted performance model (`coral_dagster.profiles.default_perf_model()`)."""
 
-    def __init__(self, perf: object | None = None) -> None:
+    def __init__(self, perf: PerfModel | None = None) -> None:
         if perf is None:
             from coral_dagster.profiles import default_perf_model
 

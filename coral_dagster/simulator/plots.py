@@ -6,7 +6,10 @@ from pathlib import Path
 
 import numpy as np
 
+from coral_dagster.files import write_figure
 from coral_dagster.simulator.result import SimResult
+
+PLOTS_FIX = "pass another folder as --plots"
 
 
 def _pyplot():
@@ -43,10 +46,10 @@ def plot_latency_cdf(result: SimResult, path: str | Path) -> Path:
     fig.suptitle(f"{result.scenario} / {result.method}: latency CDF ({result.arrivals}, x{result.rate_scale:g}, "
                  f"SLO attainment {result.attainment:.1%})")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    try:
+        return write_figure(fig, path, fix=PLOTS_FIX)
+    finally:
+        plt.close(fig)
 
 
 def plot_goodput(result: SimResult, path: str | Path, bin_s: float = 30.0) -> Path:
@@ -64,7 +67,7 @@ def plot_goodput(result: SimResult, path: str | Path, bin_s: float = 30.0) -> Pa
     ax.legend(fontsize=8)
     ax.set_title(f"{result.scenario} / {result.method}: goodput over time ({result.arrivals}, x{result.rate_scale:g})")
     fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    try:
+        return write_figure(fig, path, fix=PLOTS_FIX)
+    finally:
+        plt.close(fig)

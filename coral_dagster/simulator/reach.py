@@ -90,7 +90,8 @@ def template_reach(template: Template, scenario: Scenario, *, load: float = 0.95
         instances.append(PlannedInstance(feeder, _REGION, 1, 0.0))
         base = _WithFeeder(base, feeder.stages[0].nodes[0])
         node_gbps = {feeder.stages[0].nodes[0]: float("inf")}
-    plan = Plan(scenario.name, "reach", "optimal", 0.0, 0.0, 0.0, 0.0, tuple(instances), {}, {})
+    # A hand-made one-instance plan run as Coral runs its plans (the engine reads no plan's method).
+    plan = Plan(scenario.name, "coral", "optimal", 0.0, 0.0, 0.0, 0.0, tuple(instances), {}, {})
     out = Engine(plan, workload, base, config=config, link_gbps=scenario.link_gbps, node_gbps=node_gbps).run()
     ttft_ms = (out.ttft_s - workload.arrival_s) * 1000.0
     decode_tokens = np.maximum(workload.output_tokens - 1, 1)

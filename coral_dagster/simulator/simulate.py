@@ -11,7 +11,7 @@ from coral_dagster.simulator.engine import Engine, SimConfig
 from coral_dagster.simulator.latency import LatencyModel, ProfileLatencyModel
 from coral_dagster.simulator.result import ModelSlo, SimResult, build_result
 from coral_dagster.catalog.traces import trace_names
-from coral_dagster.simulator.workload import ModelLoad, make_workload
+from coral_dagster.simulator.workload import Arrivals, ModelLoad, make_workload
 
 TRAFFIC = ("scenario", "azure-conv", "azure-code", "poisson", "gamma")
 
@@ -33,7 +33,7 @@ def simulate_plan(plan: Plan, scenario: Scenario | str, *, trace: str | None = N
     traffic = trace or "scenario"
     if traffic not in TRAFFIC:
         raise UnknownNameError("trace", traffic, TRAFFIC)
-    arrivals = traffic if traffic in ("poisson", "gamma") else "trace"
+    arrivals: Arrivals = "poisson" if traffic == "poisson" else "gamma" if traffic == "gamma" else "trace"
     base = {m.model: m.rate_req_s for m in scn.models}
     if rates is not None:
         unknown = sorted(set(rates) - set(base))

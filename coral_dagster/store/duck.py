@@ -144,6 +144,10 @@ def explain(exc: duckdb.Error, path: Path) -> CoralError:
         return StoreFileError(f"DuckDB file {path} is truncated ({text}).", _BROKEN_FIX.format(path=path))
     if "corrupt database file" in low or "checksum" in low:
         return StoreFileError(f"DuckDB file {path} is corrupted ({text}).", _BROKEN_FIX.format(path=path))
+    if "no space left on device" in low or "disk quota exceeded" in low:
+        return StoreFileError(f"the disk holding DuckDB file {path} is full ({text}).",
+                              "free space on that disk and run the command again, or point CORAL_DB (or --db) at a "
+                              "file on another disk.")
     if "permission denied" in low or "read-only file system" in low or "read-only mode" in low:
         return StoreFileError(f"DuckDB file {path} cannot be written ({text}).",
                               f"make it writable (`chmod u+w {path}` and its folder), or point CORAL_DB (or --db) "

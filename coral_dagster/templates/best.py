@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from coral_dagster.catalog.nodes import NodeMultiset
-from coral_dagster.errors import CoralError, InfeasibleError
+from coral_dagster.errors import CoralError, InfeasibleError, UnknownNameError
 from coral_dagster.templates.optimize import (
     Placement,
     best_placement_fast,
@@ -14,6 +14,7 @@ from coral_dagster.templates.optimize import (
 from coral_dagster.layer_split import parse_split
 from coral_dagster.templates.throughput import ThroughputTables
 from coral_dagster.templates.types import Stage, Template
+from coral_dagster.vocab import BOUNDS, PHASES, T_HAT_RULE_NAMES
 
 #: Relative slack when re-checking floats the optimizer produced.
 REL_TOL = 1e-9
@@ -61,8 +62,12 @@ def make_template(tables: ThroughputTables, nodes: NodeMultiset, placement: Plac
         if total < bottleneck_value:
             bottleneck, bottleneck_value = stage, total
         start += layers
+    if bottleneck is None:
+        raise RuntimeError(f"placement {placement} has no stage with a finite T̂ to bound the template")
     lead = max(zip(bottleneck.nodes, bottleneck.shares), key=lambda ns: ns[1])[0]
     bound = tables.point(placement.n_stages, lead, bottleneck.layers).bound
+    if bound not in BOUNDS:
+        raise RuntimeError(f"T̂ point bound {bound!r} is none of {BOUNDS}")
     w = tables.workload
     return Template(w.model, w.phase, w.slo_ms, nodes, tuple(stages), float(placement.tokens_per_s), bound)
 
@@ -153,7 +158,12 @@ def best_for_nodes(model: str, phase: str, nodes: NodeMultiset | str, *, slo_ms:
 
     ms = NodeMultiset.parse(nodes) if isinstance(nodes, str) else nodes
     scn, entry = scenario_model_for(model, scenario)
-    workload = workload_for(entry, phase, scn.link_gbps, slo_ms, rule=t_hat_rule or scn.t_hat_rule)
+    rule = t_hat_rule or scn.t_hat_rule
+    if phase not in PHASES:
+        raise UnknownNameError("phase", phase, PHASES)
+    if rule not in T_HAT_RULE_NAMES:
+        raise UnknownNameError("T̂ rule", rule, T_HAT_RULE_NAMES)
+    workload = workload_for(entry, phase, scn.link_gbps, slo_ms, rule=rule)
     if prefill_slo_ms is not None:
         workload = dataclasses.replace(workload, prefill_slo_ms=float(prefill_slo_ms))
     configs = tuple(n for n, _ in ms.counts)

@@ -26,14 +26,14 @@ import pandas as pd
 
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
-from coral_dagster.errors import CoralError
+from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.lifetimes import worker_pool
 from coral_dagster.templates.best import make_template, verify_template
 from coral_dagster.templates.optimize import Placement
 from coral_dagster.templates.sweep import sweep
 from coral_dagster.templates.throughput import ThroughputTables, build_tables, workload_for
 from coral_dagster.templates.types import Template, stages_doc, stages_from_doc
-from coral_dagster.vocab import PHASES, Phase
+from coral_dagster.vocab import PHASES, T_HAT_RULE_NAMES, Phase
 
 DOMINANCE_REL_TOL = 1e-9
 TEMPLATES_TABLE = "templates"
@@ -164,7 +164,10 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
     for m in wanted:
         computed_as[m.model] = next(o.model for o in wanted if o.template_key == m.template_key)
     computed = [m for m in wanted if computed_as[m.model] == m.model]
-    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps, rule=scn.t_hat_rule)
+    rule = scn.t_hat_rule
+    if rule not in T_HAT_RULE_NAMES:
+        raise UnknownNameError("T̂ rule", rule, T_HAT_RULE_NAMES)
+    workloads = {(m.model, p): workload_for(m, p, scn.link_gbps, rule=rule)
                  for m in computed for p in phases}
     start = time.perf_counter()
     with worker_pool(processes) if processes > 1 else nullcontext() as pool:
@@ -201,7 +204,8 @@ def build_library_with_stats(scenario, *, processes: int | None = None, progress
         if bar is not None:
             bar.close()
     optimize_s = time.perf_counter() - start - tables_s
-    templates, per_key = [], []
+    templates: list[Template] = []
+    per_key = []
     for m in wanted:
         for phase in phases:
             key = (computed_as[m.model], phase)

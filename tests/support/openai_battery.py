@@ -33,7 +33,10 @@ def observe(base_url: str, api_key: str) -> dict:
     out["chat_streamed"] = "".join(ch.choices[0].delta.content or "" for ch in streamed_chat if ch.choices)
     stop = out["completions"][0][0][4:6]
     cut = c.completions.create(model=MODEL, prompt=PROMPTS[0], stop=[stop], **greedy).choices[0]
-    out["stop"] = (cut.text, cut.finish_reason)
+    out["stop"] = (cut.text, cut.finish_reason, cut.model_extra["stop_reason"])
+    out["penalised"] = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=N_TOKENS, temperature=0,
+                                            frequency_penalty=0.5, presence_penalty=0.3,
+                                            extra_body={"ignore_eos": True, "repetition_penalty": 1.4}).choices[0].text
     out["echo"] = c.completions.create(model=MODEL, prompt=PROMPTS[0], echo=True, **greedy).choices[0].text
     two = c.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, **greedy)
     out["n"] = [ch.text for ch in two.choices]
@@ -59,12 +62,16 @@ def expected() -> dict:
     stop = ref[0].text[4:6]
     with_lp = generate(MODEL, PROMPTS[0], N_TOKENS, ignore_eos=True, sampling=SamplingParams(logprobs=2))
     decode = ByteTokenizer().decode_token
+    prompt_ids = ByteTokenizer().encode(PROMPTS[0])
     return {
         "completions": [(r.text, "length") for r in ref],
         "usage": (sum(r.prompt_tokens for r in ref), N_TOKENS * len(PROMPTS)),
         "streamed": ref[0].text, "usage_chunk": N_TOKENS,
         "chat": (chat.text, "length", chat.prompt_tokens), "chat_streamed": chat.text,
-        "stop": (ref[0].text[:ref[0].text.index(stop)], "stop"),
+        "stop": (ref[0].text[:ref[0].text.index(stop)], "stop", stop),
+        "penalised": generate(MODEL, PROMPTS[0], N_TOKENS, ignore_eos=True, sampling=SamplingParams(
+            frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.4, prompt_len=len(prompt_ids),
+            prompt_token_ids=tuple(prompt_ids))).text,
         "echo": PROMPTS[0] + ref[0].text,
         "n": [ref[0].text] * 2,
         "logprobs": [(decode(t), lp.logprob, [(decode(a), v) for a, v in lp.top])

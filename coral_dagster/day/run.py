@@ -1,0 +1,116 @@
+"""Run a scenario through a simulated day with one method, and keep the result in the store (`day_runs`,
+`day_windows`) beside a timeline plot: the use case `coral day` and `bench.day` call."""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+import pandas as pd
+
+from coral_dagster.allocation.inputs import scenario_problem
+from coral_dagster.allocation.methods import make_plan
+from coral_dagster.allocation.planner import with_admission
+from coral_dagster.allocation.types import Plan
+from coral_dagster.app.scenario_plans import library_templates
+from coral_dagster.catalog.market import MarketSnapshot
+from coral_dagster.catalog.scenarios import Scenario, load_scenario
+from coral_dagster.day.loop import DayLoop, DayResult, WindowRow
+from coral_dagster.day.serve import SERVE_MODES
+from coral_dagster.day.shape import peak_rates, window_count
+from coral_dagster.errors import CoralError, UnknownNameError
+from coral_dagster.highs import DEFAULT_MAX_NODES
+from coral_dagster.store import Store
+from coral_dagster.store.duck import write_frame
+from coral_dagster.templates.types import Template
+
+DAY_METHODS = ("coral", "homo-ilp", "cauchy", "static-peak")
+
+
+def method_planner(scenario: Scenario, templates: Sequence[Template], method: str, *, time_limit_s: float,
+                   max_nodes: int | None = DEFAULT_MAX_NODES) -> Callable[[Mapping[str, float], MarketSnapshot,
+                                                                        Plan | None], Plan]:
+    """The re-plan of one window: `method` on the window's rates and market, churn priced against the running
+    plan; where the market cannot carry the demand, the plan serves the largest share it can (scarcity `scale`)."""
+    def plan(rates: Mapping[str, float], market: MarketSnapshot, running: Plan | None) -> Plan:
+        problem = scenario_problem(scenario, templates, market, rates=rates,
+                                   running=running.counts() if running else None)
+        try:
+            made = make_plan(problem, method, time_limit_s=time_limit_s, max_nodes=max_nodes)
+        except CoralError:
+            made = make_plan(problem, method, scarcity_mode="scale", time_limit_s=time_limit_s, max_nodes=max_nodes)
+        return with_admission(made, rates, scenario.models)
+
+    return plan
+
+
+def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 24.0, db_path: str | None = None,
+            failure_rate: float = 0.0, seed: int = 0, time_limit_s: float | None = None,
+            templates: Sequence[Template] | None = None, store_result: bool = True,
+            progress: Callable[[WindowRow], None] | None = None, serve: str = "fluid") -> DayResult:
+    """Simulate `hours` of the scenario's day with `method` (`static-peak`: Coral's plan for the day's peak rates,
+    run all day); the reconciler's records go to a scratch DuckDB file (never the store's own deployment), the
+    result to the store's `day_runs` and `day_windows` in one transaction. `serve`: "fluid" estimates each window's
+    serving from the capacity up; "requests" serves its traffic request by request (`day.serve`), slower."""
+    if method not in DAY_METHODS:
+        raise UnknownNameError("day method", method, DAY_METHODS)
+    if serve not in SERVE_MODES:
+        raise UnknownNameError("serve mode", serve, SERVE_MODES)
+    if not (0 < hours <= 24 * 7):
+        raise CoralError(f"--hours {hours:g} is outside (0, 168].", "give the hours to simulate, e.g. --hours 24")
+    scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
+    if templates is None:
+        templates = library_templates(scn, db_path)
+    # Each re-plan: the re-plan path's work limit, under a wall-clock net of half the re-plan interval.
+    limit = time_limit_s if time_limit_s is not None else scn.replan_interval_min * 30.0
+    static = method == "static-peak"
+    planner = method_planner(scn, templates, "coral" if static else method, time_limit_s=limit)
+    from coral_dagster.catalog.prices import load_node_prices
+
+    # The reconciler warns of every rolled-back launch; in a simulated day they are the windows' `nodes_failed`.
+    quiet = logging.getLogger("coral_dagster.deploy.reconcile")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    with tempfile.TemporaryDirectory(prefix="coral-day-") as scratch:
+        loop = DayLoop(scn, method, planner, Store(Path(scratch) / "deployment.duckdb"), load_node_prices(),
+                       static_rates=peak_rates(scn, window_count(scn, hours)) if static else None,
+                       failure_rate=failure_rate, seed=seed, serve_mode=serve)
+        try:
+            result = loop.run(hours, progress)
+        finally:
+            quiet.setLevel(level)
+    if store_result:
+        store_day(Store(db_path), scn, result)
+    return result
+
+
+def store_day(store: Store, scenario: Scenario, result: DayResult) -> str:
+    """Append one day's run and its windows (one transaction); returns the run id."""
+    run_id = uuid.uuid4().hex[:12]
+    summary = result.as_dict()
+    run = pd.DataFrame([{"run_id": run_id, "scenario": scenario.name, "scenario_key": scenario.scenario_key,
+                         "method": result.method, "serve_mode": result.serve_mode, "hours": result.hours,
+                         "replan_interval_min": result.replan_interval_min, "cost_usd": result.cost_usd,
+                         "slo_tokens": result.slo_tokens,
+                         "usd_per_million_slo_tokens": result.usd_per_million_slo_tokens,
+                         "worst_window": summary["worst_window"]["window"],
+                         "worst_attainment": summary["worst_window"]["worst_attainment"],
+                         "max_replan_s": summary["max_replan_s"], "created_at": pd.Timestamp.now(tz="UTC")}])
+    windows = pd.DataFrame([{"run_id": run_id, **row} for row in summary["windows"]])
+    with store.transaction() as con:
+        write_frame(con, "day_runs", run)
+        write_frame(con, "day_windows", windows)
+    return run_id
+
+
+def write_timeline(results: Sequence[DayResult], path: str | Path) -> Path:
+    """The timeline plot of one or more methods' days, as a PNG file."""
+    from coral_dagster.day.plot import timeline_png
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(timeline_png(results))
+    return out

@@ -1,0 +1,93 @@
+"""The day's demand and supply per re-plan window, and how long a node takes to start (data/scenarios/DAY.md)."""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+from coral_dagster.catalog.scenarios import DaySpec, Scenario
+from coral_dagster.templates.types import Template
+
+MINUTES_PER_DAY = 1440.0
+
+
+def day_spec(scenario: Scenario) -> DaySpec:
+    """The scenario's `day:` section, or the documented default day (DAY.md §1)."""
+    return scenario.day or DaySpec()
+
+
+def diurnal(spec: DaySpec, minute: float) -> float:
+    """The share of the peak rate at `minute` of the day (UTC): the hour's factor, or a cosine that is 1 at
+    `peak_hour` and 1/`peak_to_trough` twelve hours away."""
+    hour = (minute / 60.0) % 24.0
+    if spec.hourly:
+        return spec.hourly[int(hour)]
+    trough = 1.0 / spec.peak_to_trough
+    return trough + (1.0 - trough) * (1.0 + math.cos(2.0 * math.pi * (hour - spec.peak_hour) / 24.0)) / 2.0
+
+
+def window_count(scenario: Scenario, hours: float) -> int:
+    """Re-plan windows in `hours` hours (at least one)."""
+    return max(1, int(round(hours * 60.0 / scenario.replan_interval_min)))
+
+
+def window_rates(scenario: Scenario, window: int) -> dict[str, float]:
+    """Request rate per model in one re-plan window: the scenario's rate (the peak) × the diurnal share at the
+    window's middle × its trace's burst factor in that window (the trace's windows replayed in turn)."""
+    from coral_dagster.allocation.demand import window_rates as trace_windows
+    from coral_dagster.allocation.inputs import scenario_traces
+
+    spec = day_spec(scenario)
+    middle = (window + 0.5) * scenario.replan_interval_min
+    share = diurnal(spec, middle)
+    rates = {m.model: m.rate_req_s * share for m in scenario.models}
+    if not spec.bursts:
+        return rates
+    bursts = trace_windows({m: 1.0 for m in rates}, scenario_traces(scenario), scenario.replan_interval_min)
+    factors = bursts[window % len(bursts)] if bursts else {}
+    return {m: r * factors.get(m, 1.0) for m, r in rates.items()}
+
+
+def peak_rates(scenario: Scenario, windows: int) -> dict[str, float]:
+    """Per model, its highest window rate over the day: what a plan sized for the peak serves."""
+    out: dict[str, float] = {}
+    for w in range(windows):
+        for m, r in window_rates(scenario, w).items():
+            out[m] = max(out.get(m, 0.0), r)
+    return out
+
+
+def availability_window(scenario: Scenario, window: int) -> int:
+    """The availability series' window that re-plan window `window` starts in (0 without a series)."""
+    series = scenario.availability_model.series
+    if series is None:
+        return 0
+    return int(window * scenario.replan_interval_min // series.window_min) % series.windows
+
+
+def startup_s(spec: DaySpec, scenario: Scenario, template: Template) -> float:
+    """Seconds from launch until an instance serves: boot, setup, and each node loading its share of the
+    weights (the layers split over the template's nodes) at `weight_gbytes_per_s`, all nodes in parallel."""
+    from coral_dagster.catalog.models import get_model
+
+    weights_bytes = get_model(scenario.model(template.model).base).total_weight_bytes
+    nodes = sum(k for _, k in template.nodes.counts)
+    load_s = weights_bytes / nodes / (spec.weight_gbytes_per_s * 1e9)
+    return 60.0 * (spec.boot_min + spec.setup_min) + load_s
+
+
+def drain_s(scenario: Scenario, model: str) -> float:
+    """Seconds an instance removed at its model's mean request takes to finish what it holds: the prefill SLO plus
+    the mean output tokens at the decode SLO (a request admitted just before the drain, served within its SLOs)."""
+    from coral_dagster.allocation.demand import trace_stats
+
+    m = scenario.model(model)
+    return (m.prefill_slo_ms + trace_stats(m.trace).mean_output_tokens * m.decode_slo_ms) / 1000.0
+
+
+def raw_demand(scenario: Scenario, rates: Mapping[str, float]) -> dict[tuple[str, str], float]:
+    """Tokens/s per (model, phase) the rates bring, without headroom: what serving must carry."""
+    from coral_dagster.allocation.demand import demand_tokens
+    from coral_dagster.allocation.inputs import scenario_traces
+
+    return demand_tokens(rates, scenario_traces(scenario), 1.0)
