@@ -30,7 +30,9 @@ def render() -> str:
     """docs/cli.md as the installed commands describe themselves."""
     from coral_dagster.cli.main import main
 
-    root = click.Context(main, info_name="coral", terminal_width=100, max_content_width=100)
+    # As `coral` itself makes its context (its `-h` alias included), so the page reads the same in any process.
+    root = click.Context(main, info_name="coral", terminal_width=100, max_content_width=100,
+                         **main.context_settings)
     parts = [HEADER, "## coral\n", "```text\n" + main.get_help(root).rstrip() + "\n```\n"]
     for path, cmd, ctx in _commands(main, root, ()):
         parts.append(f"{'#' * min(len(path) + 2, 4)} coral {' '.join(path)}\n")
