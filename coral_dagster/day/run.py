@@ -11,10 +11,8 @@ from typing import Callable, Mapping, Sequence
 
 import pandas as pd
 
-from coral_dagster.allocation.inputs import scenario_problem
-from coral_dagster.allocation.methods import make_plan
-from coral_dagster.allocation.planner import with_admission
 from coral_dagster.allocation.types import Plan
+from coral_dagster.app.make_plan import solve_once
 from coral_dagster.app.scenario_plans import library_templates
 from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
@@ -36,13 +34,12 @@ def method_planner(scenario: Scenario, templates: Sequence[Template], method: st
     """The re-plan of one window: `method` on the window's rates and market, churn priced against the running
     plan; where the market cannot carry the demand, the plan serves the largest share it can (scarcity `scale`)."""
     def plan(rates: Mapping[str, float], market: MarketSnapshot, running: Plan | None) -> Plan:
-        problem = scenario_problem(scenario, templates, market, rates=rates,
-                                   running=running.counts() if running else None)
         try:
-            made = make_plan(problem, method, time_limit_s=time_limit_s, max_nodes=max_nodes)
+            return solve_once(scenario, method, templates, market, rates, running=running,
+                              time_limit_s=time_limit_s, max_nodes=max_nodes)
         except CoralError:
-            made = make_plan(problem, method, scarcity_mode="scale", time_limit_s=time_limit_s, max_nodes=max_nodes)
-        return with_admission(made, rates, scenario.models)
+            return solve_once(scenario, method, templates, market, rates, running=running, scarcity="scale",
+                              time_limit_s=time_limit_s, max_nodes=max_nodes)
 
     return plan
 
