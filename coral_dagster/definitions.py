@@ -92,12 +92,12 @@ class PipelineRun:
 def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment_target: float = 0.95,
                          rate_scale: float = 1.0,
                          closed_loop: bool = True, on_step=None, log_level: str = "WARNING",
-                         db_path: str | None = None) -> PipelineRun:
+                         db_path: str | None = None, prices_path: str | None = None) -> PipelineRun:
     """Run the `coral_pipeline` job for one scenario, in process: one run, tagged with the scenario, recorded in the
     instance at `dagster_home()`, its template library over the scenario's partitions. A failed blocking check
     stops what depends on it; an asset that raises `CoralError` stops the run with that error. `on_step(text)` is
     told the run as it starts; Dagster's console log shows `log_level` and above. `db_path`: the DuckDB file
-    (default: `$CORAL_DB`, else the bundled file)."""
+    (default: `$CORAL_DB`, else the bundled file); `prices_path`: a price CSV replacing the bundled rows."""
     from assets.templates import scenario_partitions
 
     partitions = scenario_partitions(scenario)
@@ -110,6 +110,8 @@ def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment
     # The DuckDB file asked for ($CORAL_DB as of now by default), and the scenario asked for.
     resources = {**(defs.resources or {}), "duckdb": CoralDuckDB(database=str(db_path or default_db_path())),
                  "scenario": CoralScenario(name=scenario)}
+    if prices_path:
+        resources["market"] = BundledMarketFeed(prices_file=prices_path)
     job = dg.Definitions(assets=defs.assets, asset_checks=defs.asset_checks, jobs=[pipeline_job],
                          resources=resources).resolve_job_def(pipeline_job.name)
     ops = {"plan_simulation": {"config": {"duration_s": simulate_s, "attainment_target": attainment_target,

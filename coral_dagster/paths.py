@@ -28,6 +28,8 @@ def default_db_path() -> Path:
 
 
 def prices_file() -> Path | None:
-    """A user price table (`$CORAL_PRICES`, set by `--prices FILE`) that replaces the bundled SkyPilot rows."""
+    """A user price table (`$CORAL_PRICES`) that replaces the bundled SkyPilot rows where code asks
+    `load_node_prices()` for the table in use (`dagster dev`'s runs; `coral day --prices`, which sets it); the other
+    commands read `$CORAL_PRICES` once, as their `--prices` option's default, and pass the file on."""
     value = os.environ.get("CORAL_PRICES")
     return Path(value) if value else None

@@ -6,10 +6,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import dagster as dg
+import pandas as pd
 from pydantic import Field
 
 from coral_dagster.catalog.market import MarketSnapshot
-from coral_dagster.catalog.prices import build_node_prices
+from coral_dagster.catalog.prices import build_node_prices, read_price_file
 from coral_dagster.catalog.scenarios import Scenario
 
 
@@ -20,12 +21,23 @@ class MarketFeed(dg.ConfigurableResource, ABC):
     def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
         """The market as of now."""
 
+    def price_table(self) -> pd.DataFrame | None:
+        """The price rows the `catalogs` asset lists; None: the default table (`load_node_prices`)."""
+        return None
+
 
 class BundledMarketFeed(MarketFeed):
-    """The price snapshot shipped under `data/prices/` (SkyPilot catalog v8 rows, read 2026-11-29)."""
+    """The price snapshot shipped under `data/prices/` (SkyPilot catalog v8 rows, read 2026-11-29), or the user's
+    price file that replaces it (`coral run --prices`)."""
+
+    prices_file: str = Field(default="", description="Price CSV replacing the bundled rows (`coral run --prices`); "
+                                                     "empty: the bundled rows.")
+
+    def price_table(self) -> pd.DataFrame | None:
+        return read_price_file(Path(self.prices_file)) if self.prices_file else None
 
     def snapshot(self, scenario: Scenario, availability_scale: float = 1.0) -> MarketSnapshot:
-        return scenario.market(availability_scale, taken_at=_now())
+        return scenario.market(availability_scale, prices=self.price_table(), taken_at=_now())
 
 
 class SkyPilotCatalogFeed(MarketFeed):

@@ -1,5 +1,6 @@
 """The day loop against oracles computed from the plans alone: zero start-up equals the per-window snapshot plans,
-a refused launch is re-planned around, start-up lag costs attainment exactly where capacity was added, and
+a refused launch is re-planned around, start-up lag costs attainment exactly where capacity was added (and
+nowhere when re-plans size for the forecast), held nodes stay held when the market's pool empties, and
 static-peak costs its plan for every hour."""
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.day.loop import DayLoop
 from coral_dagster.day.run import method_planner, run_day
-from coral_dagster.day.shape import drain_s, peak_rates
+from coral_dagster.allocation.inputs import capacity_factors
+from coral_dagster.day.shape import drain_s, peak_rates, raw_demand, window_rates
 from coral_dagster.store import Store
 
 # A flat day (one factor every hour) or one stepping up at hour 1; instant weights, so start-up is boot alone.
@@ -28,8 +30,9 @@ STEP = {**FLAT, "hourly": [0.5] + [1.0] * 23, "boot_min": 3}
 TOLERANCE = 1e-3  # weights still take ~0.03 s at 1,000 GB/s: 1e-4 of a 6-minute window
 
 
-def _scenario(tmp: Path, day: dict, nodes: int = 1000, interval_min: float = 60.0):
-    doc = small(day=day, availability={"default_nodes": nodes},
+def _scenario(tmp: Path, day: dict, nodes: int = 1000, interval_min: float = 60.0, series: dict | None = None):
+    availability = {"default_nodes": nodes, **({"series": series} if series else {})}
+    doc = small(day=day, availability=availability,
                 allocation={"headroom": 1.1, "replan_interval_min": interval_min, "node_startup_min": 10})
     path = tmp / f"day-{abs(hash(yaml.safe_dump(doc))) % 10**8}.yml"
     path.write_text(yaml.safe_dump(doc))
@@ -43,10 +46,19 @@ def workdir():
 
 
 def _loop(scn, workdir: Path, **kw) -> DayLoop:
+    """The loop re-planning each window for its own rates (the snapshot plans the oracles are computed from),
+    unless `sizing` says otherwise."""
     templates = library_templates(scn, str(workdir / "lib.duckdb"))
     planner = method_planner(scn, templates, "coral", time_limit_s=60)
     return DayLoop(scn, "coral", planner, Store(workdir / f"dep-{id(kw)}-{len(list(workdir.iterdir()))}.duckdb"),
-                   load_node_prices(), **kw)
+                   load_node_prices(), **{"sizing": "window", **kw})
+
+
+def _required(scn, plan, ppo, rates):
+    """Tokens/s per (model, phase) the window's admitted traffic needs up: the capacity rule's size for its demand,
+    or the plan's capacity where that is less."""
+    need, factors = raw_demand(scn, rates), capacity_factors(scn, rates)
+    return {k: min(v, need.get(k, 0.0) * factors.get(k, 1.0)) for k, v in _capacity(plan, _phase(ppo)).items()}
 
 
 def _capacity(plan, phase_of):
@@ -111,7 +123,8 @@ def test_a_refused_launch_is_replanned_around(workdir):
 
 def test_startup_lag_costs_attainment_exactly_where_capacity_was_added(workdir):
     """Demand doubles at hour 1 (and stays); new instances serve 3 minutes after launch. Expected attainment per
-    window from the plans alone: during the lag the old plan's capacity over the new one's (capped at 1), then 1."""
+    window from the plans alone: during the lag the old plan's capacity over what the window's demand needs of the
+    new one (capped at 1), then 1."""
     scn = _scenario(workdir, STEP)
     loop = _loop(scn, workdir)
     res = loop.run(hours=3.0)
@@ -121,7 +134,8 @@ def test_startup_lag_costs_attainment_exactly_where_capacity_was_added(workdir):
     for w, row in enumerate(res.windows):
         expected = 1.0
         if w:
-            old, new = (_capacity(loop.adopted[k], _phase(ppo)) for k in (w - 1, w))
+            old = _capacity(loop.adopted[w - 1], _phase(ppo))
+            new = _required(scn, loop.adopted[w], ppo, window_rates(scn, w))
             added = any(loop.adopted[w].counts().get(key, 0) > k for key, k in loop.adopted[w - 1].counts().items()) \
                 or any(key not in loop.adopted[w - 1].counts() for key in loop.adopted[w].counts())
             if added:
@@ -130,6 +144,30 @@ def test_startup_lag_costs_attainment_exactly_where_capacity_was_added(workdir):
         lost += expected < 1 - TOLERANCE
         assert row.worst_attainment == pytest.approx(expected, abs=TOLERANCE), f"window {w}"
     assert lost >= 1, "the step up must add capacity somewhere"
+
+
+def test_forecast_sizing_launches_ahead_of_a_step_the_day_shape_announces(workdir):
+    """Demand doubles at hour 2; start-up takes 3 minutes of a one-hour window. Sizing for the forecast, hour 1's
+    re-plan already carries hour 2's rates, so every window attains fully; sizing for the window alone, hour 2
+    loses its first 3 minutes (the contrast shows the oracle can fail)."""
+    scn = _scenario(workdir, {**STEP, "hourly": [0.5, 0.5, 1.0] + [0.5] * 21})
+    ahead = _loop(scn, workdir, sizing="forecast").run(hours=3.0)
+    assert [row.worst_attainment for row in ahead.windows] == pytest.approx([1.0] * 3, abs=TOLERANCE)
+    assert ahead.windows[1].nodes_launched > 0, "hour 1 launches for hour 2"
+    late = _loop(scn, workdir).run(hours=3.0)
+    assert late.windows[2].worst_attainment < 1.0 - TOLERANCE
+
+
+def test_held_nodes_stay_when_the_markets_pool_empties(workdir):
+    """Flat demand; after hour 0 the market lists no free node at all. The nodes already up are not taken back,
+    so hour 1 keeps hour 0's plan: nothing stopped, nothing refused, full attainment."""
+    scn = _scenario(workdir, FLAT, series={"window_min": 60, "multipliers": [1, 0]})
+    loop = _loop(scn, workdir)
+    res = loop.run(hours=2.0)
+    assert scn.market(window=1).offers and all(o.available_nodes == 0 for o in scn.market(window=1).offers)
+    assert loop.adopted[1].counts() == loop.adopted[0].counts()
+    assert res.windows[1].nodes_stopped == 0 and res.windows[1].nodes_failed == 0
+    assert res.windows[1].worst_attainment == pytest.approx(1.0, abs=TOLERANCE)
 
 
 def test_static_peak_costs_the_peak_plan_every_hour(workdir):

@@ -51,7 +51,7 @@ def library(small_library, tmp_path_factory) -> Path:
 def _day(scn, library: Path, folder: Path, hours: float) -> DayLoop:
     planner = method_planner(scn, library_templates(scn, str(library)), "coral", time_limit_s=60)
     loop = DayLoop(scn, "coral", planner, Store(folder / f"dep-{len(list(folder.iterdir()))}.duckdb"),
-                   load_node_prices(), serve_mode="requests", keep_runs=True, seed=7)
+                   load_node_prices(), serve_mode="requests", keep_runs=True, seed=7, sizing="window")
     loop.run(hours=hours)
     return loop
 

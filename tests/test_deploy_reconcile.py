@@ -458,8 +458,8 @@ def _cli(monkeypatch, args, p: Plan, plan_id: str):
 
     from coral_dagster.app import deployment
 
-    monkeypatch.setattr(launch_cli, "_load_plan", lambda store, ref, scenario, method: replace(p, plan_id=plan_id))
-    monkeypatch.setattr(deployment, "snapshot_prices", lambda store, plan: (PRICES, "the test price table"))
+    monkeypatch.setattr(launch_cli, "_load_plan", lambda *_: replace(p, plan_id=plan_id))
+    monkeypatch.setattr(deployment, "snapshot_prices", lambda *_: (PRICES, "the test price table"))
     command = launch_cli.launch if args[0] == "launch" else launch_cli.status
     result = CliRunner().invoke(command, args[1:], catch_exceptions=False)
     assert result.exit_code == 0, result.output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pandas as pd
 import pytest
@@ -103,7 +104,7 @@ def _price_file(path, prices, region="aws:us-east-2"):
 
 
 def test_prices_file_prices_the_plan(setup, tmp_path, monkeypatch):
-    monkeypatch.setenv("CORAL_PRICES", "")  # restored after the test: --prices sets it for the process
+    monkeypatch.setenv("CORAL_PRICES", "")  # the shell's $CORAL_PRICES would be --prices' default
     folder, scenario, db, plan = setup
     prices = _price_file(tmp_path / "p.csv", PRICES)
     out = _json(CliRunner().invoke(main, ["plan", "--scenario", str(scenario), "--no-store", "--json", "--db", str(db),
@@ -146,3 +147,101 @@ def test_documented_price_example_is_a_valid_price_file(tmp_path, monkeypatch):
 
     table = load_node_prices()
     assert len(table) == len(text.strip().splitlines()) - 1 and table.usd_per_hour.gt(0).all()
+
+
+def _gpu_usd_per_hour(plan: dict, prices: dict[str, float]) -> float:
+    """Oracle: what the plan's GPU nodes cost at `prices` ($/node-hour per node configuration), summed by hand."""
+    return sum(prices[str(n)] * k * i["count"]
+               for i in plan["instances"] for n, k in NodeMultiset.parse(i["nodes"]).counts)
+
+
+def test_launch_prices_a_plan_file_from_the_price_file_it_is_given_without_touching_the_environment(
+        setup, tmp_path, monkeypatch):
+    monkeypatch.delenv("CORAL_PRICES", raising=False)
+    folder, scenario, db, plan = setup
+    path = _plan_file(tmp_path, plan)
+    used = next(NodeMultiset.parse(plan["instances"][0]["nodes"]).nodes())
+    dearer = {**PRICES, str(used): 2 * PRICES[str(used)]}
+    before = dict(os.environ)
+    costs = []
+    for name, table in (("p.csv", PRICES), ("dearer.csv", dearer)):
+        out = _json(CliRunner().invoke(main, ["launch", "--plan", str(path), "--dry-run", "--json", "--out",
+                                              str(tmp_path / f"{name}.out"), "--db", str(tmp_path / f"{name}.duckdb"),
+                                              "--prices", str(_price_file(tmp_path / name, table))]))
+        assert dict(os.environ) == before  # the price file went in as an argument, not through the environment
+        assert out["gpu_usd_per_hour"] == pytest.approx(_gpu_usd_per_hour(plan, table), abs=1e-3)
+        assert {a["usd_per_hour"] for a in out["actions"] if a["node"]} <= set(table.values())
+        costs.append(out["gpu_usd_per_hour"])
+    assert costs[1] > costs[0]
+
+
+def test_launch_reads_coral_prices_at_the_command_line_as_the_default(setup, tmp_path, monkeypatch):
+    folder, scenario, db, plan = setup
+    path = _plan_file(tmp_path, plan)
+    monkeypatch.setenv("CORAL_PRICES", str(_price_file(tmp_path / "p.csv", PRICES)))
+    out = _json(CliRunner().invoke(main, ["launch", "--plan", str(path), "--dry-run", "--json", "--out",
+                                          str(tmp_path / "d"), "--db", str(tmp_path / "s.duckdb")]))
+    assert out["gpu_usd_per_hour"] == pytest.approx(_gpu_usd_per_hour(plan, PRICES), abs=1e-3)
+    monkeypatch.setenv("CORAL_PRICES", str(tmp_path / "missing.csv"))
+    res = CliRunner().invoke(main, ["launch", "--plan", str(path), "--dry-run", "--out", str(tmp_path / "d")])
+    assert res.exit_code == 2 and str(tmp_path / "missing.csv") in res.output and "Fix:" in res.output, res.output
+
+
+def test_run_passes_its_price_file_to_the_pipeline_as_an_argument(tmp_path, monkeypatch):
+    from coral_dagster import definitions
+    from coral_dagster.errors import CoralError
+
+    monkeypatch.delenv("CORAL_PRICES", raising=False)
+    monkeypatch.setenv("DAGSTER_HOME", str(tmp_path / "dagster"))
+    asked = {}
+
+    def stop(scenario, **kwargs):  # stands for the Dagster run, tested on its own below
+        asked.update(kwargs)
+        raise CoralError("stopped before the pipeline.", "nothing to fix")
+
+    monkeypatch.setattr(definitions, "materialize_pipeline", stop)
+    prices = _price_file(tmp_path / "p.csv", PRICES)
+    before = dict(os.environ)
+    res = CliRunner().invoke(main, ["run", "--prices", str(prices), "--db", str(tmp_path / "r.duckdb")])
+    assert "stopped before the pipeline" in res.output, res.output
+    assert asked["prices_path"] == str(prices.resolve()) and dict(os.environ) == before
+
+
+def test_pipeline_catalogs_and_market_snapshot_hold_the_price_file_rows(setup, tmp_path, monkeypatch):
+    import dagster as dg
+
+    from assets.catalog import catalogs
+    from assets.market import market_snapshot
+    from coral_dagster.store.duck import Store
+    from resources import BundledMarketFeed, CoralDuckDB, CoralScenario
+
+    monkeypatch.delenv("CORAL_PRICES", raising=False)
+    folder, scenario, db, plan = setup
+    prices = _price_file(tmp_path / "p.csv", PRICES)
+    store = tmp_path / "pipeline.duckdb"
+    result = dg.materialize([catalogs, market_snapshot], resources={
+        "duckdb": CoralDuckDB(database=str(store)), "scenario": CoralScenario(name=str(scenario)),
+        "market": BundledMarketFeed(prices_file=str(prices))})
+    assert result.success
+    snap = Store(store).query("SELECT node, instance_type, usd_per_hour FROM market_snapshots")
+    assert {(r.node, r.usd_per_hour) for r in snap.itertuples()} == set(PRICES.items())
+    assert snap.instance_type.str.startswith("my-").all()
+    listed = Store(store).query("SELECT node, usd_per_hour FROM catalog_prices")
+    assert {(r.node, r.usd_per_hour) for r in listed.itertuples()} == set(PRICES.items())
+
+
+def test_bench_allocation_prices_every_method_from_its_price_file(setup, tmp_path, monkeypatch):
+    monkeypatch.delenv("CORAL_PRICES", raising=False)
+    folder, scenario, db, plan = setup
+    before = dict(os.environ)
+    costs = []
+    for name, scale in (("p.csv", 1.0), ("double.csv", 2.0)):
+        prices = _price_file(tmp_path / name, {n: p * scale for n, p in PRICES.items()})
+        doc = _json(CliRunner().invoke(main, ["bench", "allocation", "--scenarios", str(scenario), "--settings",
+                                              "default", "--no-helix", "--sim-duration-s", "0", "--prices",
+                                              str(prices), "--db", str(db), "--json"]))
+        assert dict(os.environ) == before and doc["config"]["prices"] == str(prices)
+        costs.append({r["method"]: r["cost_usd_per_hour"] for r in doc["rows"]})
+    # Oracle: doubling every price keeps each method's choice and doubles its cost, which the bundled prices (the
+    # same in both runs) could not do.
+    assert costs[0] and costs[1] == pytest.approx({m: 2 * c for m, c in costs[0].items()})

@@ -28,7 +28,8 @@ class Impostor:
     node with a huge share and a data socket of its own, proving with `credential` (a node credential of its own
     choosing) when challenged, and records every control message and every byte sent to its data socket."""
 
-    def __init__(self, stack: ExitStack, dep: LocalDeployment, scheduler: str, credential: str, name: str) -> None:
+    def __init__(self, stack: ExitStack, dep: LocalDeployment, scheduler: str, credential: str, name: str,
+                 end: int = 12) -> None:
         self.ctx = zmq.Context()
         stack.callback(self.ctx.term)
         self.security = Security(self.ctx, dep.keys)
@@ -41,14 +42,14 @@ class Impostor:
         self.ctl.linger = 0
         stack.callback(self.ctl.close)
         self.security.connect(self.ctl, scheduler)
-        self.credential, self.name = credential, name
+        self.credential, self.name, self.end = credential, name, end
         self.control: list[dict] = []
         self.received: list[dict] = []
 
     def hello(self, nonce: str | None = None) -> None:
         proof = ({"proof": credentials.node_proof(self.credential, nonce, 0, self.name, "evil")}
                  if nonce is not None else {})
-        wire.send(self.ctl, {"kind": "hello", "node": self.name, "stage": 0, "start": 0, "end": 12,
+        wire.send(self.ctl, {"kind": "hello", "node": self.name, "stage": 0, "start": 0, "end": self.end,
                              "share": 1e6, "data": self.address, "model": MODEL, "engine": "torch",
                              "incarnation": "evil", **proof})
 
@@ -178,3 +179,41 @@ def test_serve_keys_prints_the_node_credential_a_scheduler_accepts(monkeypatch):
     assert credentials.verify_node(credentials.instance_credential(key, "agg-0"), "n", 1, "agg-0.s1.n0", "i", answer)
     alone = runner.invoke(serve_cli.serve, ["keys", "--node", "agg-0.s1.n0"])
     assert isinstance(alone.exception, CoralError) and "--credential INSTANCE --node NODE" in str(alone.exception)
+
+
+def test_a_second_answer_to_a_proved_challenge_is_not_taken_for_a_forgery(tmp_path):
+    """A node answers every challenge, and the scheduler re-sends its challenge to each hello without proof (a node
+    says hello on every heartbeat until welcomed): so an honest node can answer nonce N twice with a hello without
+    proof between, which draws a new nonce. The second answer to N comes from the connection that proved N; it
+    must not get the node rejected (the order a loaded machine produced in 2026-12-06's runs)."""
+    with ExitStack() as stack:
+        dep = stack.enter_context(LocalDeployment(MODEL, local_instances((6, 6), 1), timing=TIMING,
+                                                  log_dir=tmp_path, restart=False))
+        dep.wait_ready(90)
+        scheduler = dep._roles["agg-0.scheduler"][1]["cfg"].listen
+        name = "agg-0.s0.n5"
+        node = Impostor(stack, dep, scheduler, credentials.node_credential_of(dep.registration_key, "agg-0", 0, name),
+                        name, end=6)
+        node.hello()
+        first = _next(node)
+        assert first["kind"] == "challenge"
+        node.hello(first["nonce"])
+        node.hello()
+        node.hello(first["nonce"])
+        replies = [first]
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            replies += [h for _, h, _ in wire.drain(node.ctl)]
+            time.sleep(0.05)
+    kinds = [h["kind"] for h in replies]
+    assert "reject" not in kinds and "welcome" in kinds, replies
+
+
+def _next(node: Impostor, timeout_s: float = 10.0) -> dict:
+    """The next control message the node is sent."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for _, h, _ in wire.drain(node.ctl):
+            return h
+        time.sleep(0.02)
+    raise AssertionError("the scheduler sent nothing")

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, Mapping, cast
+from typing import TYPE_CHECKING, Any, Mapping, cast
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.errors import CatalogError, CoralError
 from coral_dagster.templates.types import Stage, Template, stages_doc
 from coral_dagster.vocab import BOUNDS, PHASES, Phase
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 FIX = "give the JSON `coral plan --json` printed, unchanged"
 #: Largest plan document read (bytes): a plan of thousands of instances with their stages is a few MiB.
@@ -117,15 +120,16 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = True) -> Plan:
+def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = True,
+                  prices: pd.DataFrame | None = None) -> Plan:
     """A Plan from `plan_to_doc`'s form, checked field by field (CatalogError naming `where`, the row and field).
-    With `catalog`, models must be the catalog's (stages covering their layers), regions the price table's, and
-    every node one its GPU catalog has and its region sells; the store reads without (it holds plans of any
-    problem, synthetic ones included, checked when they were made)."""
+    With `catalog`, models must be the catalog's (stages covering their layers), regions those of the price table
+    `prices` (default: `load_node_prices()`), and every node one its GPU catalog has and its region sells; the store
+    reads without (it holds plans of any problem, synthetic ones included, checked when they were made)."""
     rows = doc.get("instances")
     if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
         raise CatalogError(where, "-", "instances", "expected a list of instance objects", FIX)
-    offers = _offers() if catalog else None
+    offers = _offers(prices) if catalog else None
     instances = tuple(_instance(row, where, f"instances[{i}]", offers) for i, row in enumerate(rows))
     text = {k: _text(doc, k, where, default) for k, default in (
         ("scenario", ""), ("method", "coral"), ("status", "optimal"), ("snapshot_id", ""), ("scenario_key", ""),
@@ -167,12 +171,13 @@ def plan_from_doc(doc: Mapping, where: object = "<plan>", *, catalog: bool = Tru
         expected_from=text["expected_from"], scenario_key=text["scenario_key"])
 
 
-def _offers() -> dict[str, set[str]]:
-    """The node configurations each region of the price table in use sells (`--prices` / `$CORAL_PRICES`)."""
+def _offers(prices: pd.DataFrame | None) -> dict[str, set[str]]:
+    """The node configurations each region of the price table `prices` (default: `load_node_prices()`) sells."""
     from coral_dagster.catalog.prices import load_node_prices
 
+    table = load_node_prices() if prices is None else prices
     offers: dict[str, set[str]] = {}
-    for region, node in load_node_prices()[["region", "node"]].itertuples(index=False):
+    for region, node in table[["region", "node"]].itertuples(index=False):
         offers.setdefault(str(region), set()).add(str(node))
     return offers
 

@@ -37,6 +37,7 @@ from coral_dagster.allocation.methods import ALLOCATION_METHODS, make_plan
 from coral_dagster.allocation.problem import AllocationProblem
 from coral_dagster.allocation.prune import PruneReport, prune_columns
 from coral_dagster.allocation.types import Plan, Scarcity
+from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.errors import CoralError, InfeasibleError
 from coral_dagster.templates.types import Template
@@ -77,6 +78,8 @@ class BenchConfig:
     attainment_seeds: tuple[int, ...] = (11, 12, 13, 14)
     attainment_duration_s: float = 600.0
     attainment_time_limit_s: float = 30.0
+    # A price CSV (`coral bench allocation --prices`) every market is priced from; None: the bundled rows.
+    prices_path: str | None = None
 
 
 def bench_simulator(config: BenchConfig) -> Simulator | None:
@@ -162,20 +165,23 @@ def _run_methods(setting: str, scenario: Scenario, problem, config: BenchConfig,
     return rows
 
 
-def scarcity_scale(scenario: Scenario, templates: Sequence[Template]) -> float:
-    """σ*: the least uniform availability scale at which Coral's LP serves the estimated demand."""
-    problem = scenario_problem(scenario, templates)
+def scarcity_scale(scenario: Scenario, templates: Sequence[Template], market: MarketSnapshot | None = None) -> float:
+    """σ*: the least uniform availability scale at which Coral's LP serves the estimated demand (on `market`,
+    default the scenario's)."""
+    problem = scenario_problem(scenario, templates, market)
     columns, _ = prune_columns(problem)
     return min_availability_scale(problem, columns)
 
 
 def replan_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig,
-                goodput: GoodputEstimator, simulator: Simulator | None = None) -> tuple[list[dict], list[dict]]:
-    """Re-plan every window with the trace-following rates; per method a summary and per window a row (each
-    window's plan simulated at that window's rates when `simulator` is given)."""
+                goodput: GoodputEstimator, simulator: Simulator | None = None,
+                prices: pd.DataFrame | None = None) -> tuple[list[dict], list[dict]]:
+    """Re-plan every window with the trace-following rates, on the scenario's market priced from `prices` (a price
+    file's rows; default the bundled ones); per method a summary and per window a row (each window's plan
+    simulated at that window's rates when `simulator` is given)."""
     rates = scenario_rates(scenario)
     windows = window_rates(rates, scenario_traces(scenario), config.replan_window_min, config.replan_horizon_min)
-    market = scenario.market()
+    market = scenario.market(prices=prices)
     summary: list[dict[str, Any]] = []
     detail: list[dict] = []
     for method in config.methods:
@@ -226,8 +232,10 @@ def replan_rows(scenario: Scenario, templates: Sequence[Template], config: Bench
     return summary, detail
 
 
-def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: GoodputEstimator) -> dict:
-    """Helix's max-flow placement vs Coral restricted to the same cluster (availability = the cluster)."""
+def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: GoodputEstimator,
+                  prices: pd.DataFrame | None = None) -> dict:
+    """Helix's max-flow placement vs Coral restricted to the same cluster (availability = the cluster), priced
+    from `prices` (a price file's rows; default the bundled ones)."""
     from coral_dagster.allocation.helix import helix_plan
 
     scenario = load_scenario("helix")
@@ -235,7 +243,7 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
         pre, dec = config.helix_slo_ms
         scenario = replace(scenario, models=tuple(replace(m, prefill_slo_ms=pre, decode_slo_ms=dec)
                                                   for m in scenario.models))
-    market = scenario.market()
+    market = scenario.market(prices=prices)
     hplan, hres = helix_plan(scenario, time_limit_s=config.helix_time_limit_s, market=market)
     templates = templates_for(scenario)
     problem = scenario_problem(scenario, templates, market)
@@ -274,17 +282,18 @@ def helix_section(templates_for: TemplateSource, config: BenchConfig, goodput: G
     return out
 
 
-def equal_attainment_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig) -> list[dict]:
+def equal_attainment_rows(scenario: Scenario, templates: Sequence[Template], config: BenchConfig,
+                          prices: pd.DataFrame | None = None) -> list[dict]:
     """Per method its fixed-demand cost and the cost at which its plan, sized by the capacity rule and the closed
     loop, meets the attainment target on held-out windows of the scenario's traces (`app.equal_attainment`),
-    with both as ratios to Coral's."""
+    with both as ratios to Coral's; priced from `prices` (a price file's rows; default the bundled ones)."""
     from types import SimpleNamespace
 
     from coral_dagster.app.equal_attainment import row_for, with_ratios
 
     args = SimpleNamespace(time_limit_s=config.attainment_time_limit_s, duration_s=config.attainment_duration_s,
                            relax="2,4")
-    return with_ratios([row_for(scenario, method, templates, args, list(config.attainment_seeds))
+    return with_ratios([row_for(scenario, method, templates, args, list(config.attainment_seeds), prices=prices)
                         for method in config.methods])
 
 
@@ -314,8 +323,12 @@ def bench_notes(config: BenchConfig) -> list[str]:
 def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = BenchConfig(), *,
                          goodput: GoodputEstimator = fluid_goodput,
                          progress: Callable[[Iterable, str], Iterable] | None = None) -> dict:
-    """Run every setting; returns the JSON document `bench/results/allocation.json` holds."""
+    """Run every setting, every market priced from `config.prices_path` (default: the bundled rows); returns the
+    JSON document `bench/results/allocation.json` holds."""
+    from coral_dagster.app.prices import price_table
+
     step = progress or (lambda it, _desc: it)
+    prices = price_table(config.prices_path)
     started = time.perf_counter()
     rows: list[dict] = []
     replan_summary: list[dict] = []
@@ -327,7 +340,8 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
         scenario = load_scenario(name)
         t0 = time.perf_counter()
         templates = templates_for(scenario)
-        problem = scenario_problem(scenario, templates)
+        market = scenario.market(prices=prices)
+        problem = scenario_problem(scenario, templates, market)
         load_s = time.perf_counter() - t0
         prepare_s, report = prepare_libraries(problem)
         libraries[name] = {"templates": len(problem.templates), "load_s": load_s, "prepare_s": prepare_s,
@@ -342,11 +356,11 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
             rows += _run_methods("default", scenario, problem, config, goodput, simulated=sim_at(base_rates))
         if "imbalanced" in config.settings:
             for mix in MIXES:
-                mixed = scenario_problem(scenario, templates, demand_mix=mix)
+                mixed = scenario_problem(scenario, templates, market, demand_mix=mix)
                 rows += _run_methods(f"imbalanced:{mix}", scenario, mixed, config, goodput, extra={"mix": mix},
                                      simulated=sim_at(scenario_rates(scenario, mix)))
         if "scarcity" in config.settings:
-            sigma = scarcity_scale(scenario, templates)
+            sigma = scarcity_scale(scenario, templates, market)
             libraries[name]["sigma_star"] = sigma
             for head in SCARCITY_HEADROOM:
                 factor = 1.0 / (head * sigma)
@@ -355,20 +369,20 @@ def run_allocation_bench(templates_for: TemplateSource, config: BenchConfig = Be
                                      scarcity_mode="scale", extra={"demand_factor": factor},
                                      simulated=sim_at({m: r * factor for m, r in base_rates.items()}))
         if "attainment" in config.settings:
-            attainment += equal_attainment_rows(scenario, templates, config)
+            attainment += equal_attainment_rows(scenario, templates, config, prices)
         if "replan" in config.settings:
             summary, detail = replan_rows(scenario, templates, config, goodput,
-                                          simulator if config.sim_replan else None)
+                                          simulator if config.sim_replan else None, prices)
             replan_summary += summary
             replan_detail += detail
-    helix = helix_section(templates_for, config, goodput) if config.helix else None
+    helix = helix_section(templates_for, config, goodput, prices) if config.helix else None
     return {
         "generated_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "solver": "HiGHS via PuLP"},
         "config": {"scenarios": list(config.scenarios), "methods": list(config.methods),
                    "time_limit_s": dict(config.time_limit_s), "settings": list(config.settings),
                    "replan_window_min": config.replan_window_min, "replan_horizon_min": config.replan_horizon_min,
-                   "helix_time_limit_s": config.helix_time_limit_s,
+                   "helix_time_limit_s": config.helix_time_limit_s, "prices": config.prices_path or "bundled",
                    "simulation": {"duration_s": config.sim_duration_s, "arrivals": config.sim_trace,
                                   "seed": config.sim_seed, "replan": config.sim_replan}},
         "notes": bench_notes(config),

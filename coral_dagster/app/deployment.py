@@ -19,10 +19,10 @@ from coral_dagster.errors import CoralError
 from coral_dagster.store.duck import Store
 
 
-def snapshot_prices(store: Store, plan: Plan) -> tuple[pd.DataFrame, str]:
+def snapshot_prices(store: Store, plan: Plan, prices: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
     """(price rows: region, node, instance type, on-demand and spot $/h; where they come from): the plan's own
     market snapshot when the store holds it; for a plan file whose snapshot was never stored, the current price
-    table (bundled, or `--prices`), and the source says so."""
+    table (`prices`, a `--prices` file's rows; default `load_node_prices()`), and the source says so."""
     if plan.snapshot_id and "market_snapshots" in store.tables():
         rows = store.query("SELECT region, node, gpu, gpus, instance_type, usd_per_hour, spot_usd_per_hour "
                            "FROM market_snapshots WHERE snapshot_id = ?", [plan.snapshot_id])
@@ -33,8 +33,8 @@ def snapshot_prices(store: Store, plan: Plan) -> tuple[pd.DataFrame, str]:
                          f"{store.path}.", "re-plan on a stored snapshot (`coral plan`), then deploy that plan.")
     from coral_dagster.catalog.prices import load_node_prices
 
-    return load_node_prices(), (f"the current price table (plan file; its snapshot {plan.snapshot_id or '(none)'} "
-                                "is not stored)")
+    source = f"the current price table (plan file; its snapshot {plan.snapshot_id or '(none)'} is not stored)"
+    return (load_node_prices() if prices is None else prices), source
 
 
 def default_out(plan_id: str, root: Path | None = None) -> Path:
@@ -74,10 +74,12 @@ class Deployment:
 
 
 def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None = None,
-           drain_timeout_s: float = 600.0, retry_until_up: bool = False, plain_http: bool = False) -> Deployment:
-    """Deploy `plan` (its own `plan_id`), priced from its own snapshot: a dry run writes the diff against the
-    recorded deployment as task YAMLs and commands into `out` (default `default_out`); otherwise reconcile through
-    SkyPilot, draining removed instances for up to `drain_timeout_s`. Instances run on the plan's engine
+           drain_timeout_s: float = 600.0, retry_until_up: bool = False, plain_http: bool = False,
+           prices: pd.DataFrame | None = None) -> Deployment:
+    """Deploy `plan` (its own `plan_id`), priced from its own snapshot (a plan file without a stored one: from
+    `prices`, default `load_node_prices()`): a dry run writes the diff against the recorded deployment as task
+    YAMLs and commands into `out` (default `default_out`); otherwise reconcile through SkyPilot, draining removed
+    instances for up to `drain_timeout_s`. Instances run on the plan's engine
     (`app.plans.plan_engine`): under `vllm`, its prefill and decode templates as vLLM PD instances."""
     from coral_dagster.deploy import state
     from coral_dagster.deploy.cost import deployment_cost
@@ -86,7 +88,7 @@ def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None =
     from coral_dagster.deploy.reconcile import plan_diff, reconcile
 
     engine = plan_engine(store, plan)
-    prices, source = snapshot_prices(store, plan)
+    prices, source = snapshot_prices(store, plan, prices)
     cost = deployment_cost(plan, plan.plan_id, prices, source)
     if dry_run:
         diff = plan_diff(plan, plan.plan_id, state.read_nodes(store), prices, engine, plain_http)

@@ -37,32 +37,33 @@ HEADER = ("scenario", "method", "fixed_usd_per_hour", "fixed_worst_attainment", 
           "relaxed_usd_per_hour", "relaxed_worst_attainment")
 
 
-def sized(scn, method, templates, time_limit_s, availability_scale=1.0):
-    """The closed loop's plan for one method at an availability level; each round's status, cost, boost and worst
-    window per model; wall time."""
+def sized(scn, method, templates, time_limit_s, availability_scale=1.0, prices=None):
+    """The closed loop's plan for one method at an availability level (priced from `prices`, a price file's rows;
+    default the bundled ones); each round's status, cost, boost and worst window per model; wall time."""
     t0 = time.perf_counter()
     rates = {m.model: m.rate_req_s for m in scn.models}
     plan, history = closed_loop(
         lambda boost: plan_scenario(scn, method=method, templates=templates, boost=boost, time_limit_s=time_limit_s,
-                                    availability_scale=availability_scale), scn, rates)
+                                    availability_scale=availability_scale, prices=prices), scn, rates)
     rounds = [{"status": r.plan.status, "usd_per_hour": r.plan.cost_usd_per_hour, "mip_gap": r.plan.mip_gap,
                "boost": dict(r.boost), "worst_window": dict(r.attainment)} for r in history]
     return plan, rounds, time.perf_counter() - t0
 
 
-def row_for(scn, method, templates, args, seeds, label: str | None = None) -> dict:
-    """One method on one scenario (`label` names it in the row, default its name): fixed-demand plan, sized plan,
-    and where the sized demand cannot be met, what it reaches and what availability it would need."""
+def row_for(scn, method, templates, args, seeds, label: str | None = None, prices=None) -> dict:
+    """One method on one scenario (`label` names it in the row, default its name; priced from `prices`, a price
+    file's rows, default the bundled ones): fixed-demand plan, sized plan, and where the sized demand cannot be
+    met, what it reaches and what availability it would need."""
     row = {"scenario": label or scn.name, "method": method}
     try:
         fixed = plan_scenario(scn, method=method, templates=templates, burst_aware=False,
-                              time_limit_s=args.time_limit_s)
+                              time_limit_s=args.time_limit_s, prices=prices)
         row.update(fixed_status=fixed.status, fixed_usd_per_hour=fixed.cost_usd_per_hour,
                    fixed_worst_attainment=evaluate(fixed, scn, seeds, args.duration_s)["worst_attainment"])
     except CoralError as exc:
         row["fixed_error"] = str(exc)[:160]
     try:
-        plan, rounds, loop_s = sized(scn, method, templates, args.time_limit_s)
+        plan, rounds, loop_s = sized(scn, method, templates, args.time_limit_s, prices=prices)
         ev = evaluate(plan, scn, seeds, args.duration_s)
         row.update(sized_status=plan.status, sized_usd_per_hour=plan.cost_usd_per_hour, loop_rounds=len(rounds),
                    loop_history=rounds,
@@ -74,7 +75,7 @@ def row_for(scn, method, templates, args, seeds, label: str | None = None) -> di
         row["sized_error"] = str(exc)[:160]
     try:
         reach = plan_scenario(scn, method=method, templates=templates, scarcity="scale",
-                              time_limit_s=args.time_limit_s)
+                              time_limit_s=args.time_limit_s, prices=prices)
         ev = evaluate(reach, scn, seeds, args.duration_s)
         row.update(reach_status=reach.status, reach_usd_per_hour=reach.cost_usd_per_hour,
                    reach_served_share=min(fluid_goodput(reach).per_model.values()),
@@ -83,7 +84,8 @@ def row_for(scn, method, templates, args, seeds, label: str | None = None) -> di
         row["reach_error"] = str(exc)[:160]
     for factor in (float(x) for x in args.relax.split(",") if x):
         try:
-            plan, rounds, _ = sized(scn, method, templates, args.time_limit_s, availability_scale=factor)
+            plan, rounds, _ = sized(scn, method, templates, args.time_limit_s, availability_scale=factor,
+                                    prices=prices)
         except CoralError:
             continue
         row.update(relaxed_availability=factor, relaxed_status=plan.status, relaxed_usd_per_hour=plan.cost_usd_per_hour,

@@ -130,7 +130,11 @@ def _running(store: Store, request: PlanRequest, scn: Scenario) -> Plan | None:
 
     if request.from_store:
         return find_plan(store, scn, request.method)
-    return resolve_plan(store, request.running, request.scenario, request.method) if request.running else None
+    if not request.running:
+        return None
+    from coral_dagster.app.prices import price_table
+
+    return resolve_plan(store, request.running, request.scenario, request.method, price_table(request.prices_path))
 
 
 def _sources(store: Store, request: PlanRequest, scn: Scenario, running: Plan | None):
@@ -140,14 +144,9 @@ def _sources(store: Store, request: PlanRequest, scn: Scenario, running: Plan | 
     from coral_dagster.app.scenario_plans import library_templates
 
     if not request.from_store:
-        prices = None
-        if request.prices_path:
-            from pathlib import Path
+        from coral_dagster.app.prices import price_table
 
-            from coral_dagster.catalog.prices import read_price_file
-
-            prices = read_price_file(Path(request.prices_path))
-        market = scn.market(availability_scale=request.availability_scale, prices=prices)
+        market = scn.market(availability_scale=request.availability_scale, prices=price_table(request.prices_path))
         templates = () if request.method == "helix" else library_templates(scn, request.db_path)
         return market, scenario_rates(scn, request.demand_mix), templates, None
     from coral_dagster.allocation.prepared import planning_templates

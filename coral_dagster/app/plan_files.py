@@ -8,10 +8,14 @@ import json
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from coral_dagster.allocation.codec import FIX, parse_plan_text, plan_from_doc, plan_to_doc
 from coral_dagster.allocation.types import Plan
 from coral_dagster.errors import CatalogError, CoralError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def is_plan_file(ref: str) -> bool:
@@ -27,8 +31,9 @@ def plan_digest(plan: Plan) -> str:
     return hashlib.sha256(doc.encode()).hexdigest()
 
 
-def load_plan_file(path: Path, store) -> Plan:
-    """A Plan from a plan file. One whose instances all carry their stages is read as it is: it keeps its
+def load_plan_file(path: Path, store, prices: pd.DataFrame | None = None) -> Plan:
+    """A Plan from a plan file, its regions and nodes checked against the price table `prices` (default:
+    `load_node_prices()`). One whose instances all carry their stages is read as it is: it keeps its
     `plan_id` only when `store` holds a plan of that id with the same content (`plan_digest`), else it is
     `file-<content hash>`, so results recorded for it never pass for the stored plan's. One whose instances
     lack stages names a stored plan by its `plan_id`, and must list that plan's instances if it lists any."""
@@ -51,7 +56,7 @@ def load_plan_file(path: Path, store) -> Plan:
         stored = load_plan(store, plan_id)
         _check_listed(rows or [], stored, path)
         return stored
-    plan = plan_from_doc(doc, path)
+    plan = plan_from_doc(doc, path, prices=prices)
     digest = plan_digest(plan)
     if plan_id and store is not None and _stored_digest(store, plan_id) == digest:
         return replace(plan, plan_id=plan_id)

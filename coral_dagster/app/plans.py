@@ -78,15 +78,17 @@ def scenario_of(store: Store, plan: Plan) -> Scenario:
     return replace(scn, engine=inputs.get("engine") or scn.engine)
 
 
-def resolve_plan(store: Store, ref: str, scenario: Scenario | str, method: str = "coral") -> Plan:
+def resolve_plan(store: Store, ref: str, scenario: Scenario | str, method: str = "coral",
+                 prices: pd.DataFrame | None = None) -> Plan:
     """A plan named on the command line: `latest` (the scenario's newest plan of `method`), a stored plan id, or a
-    JSON file as `coral plan --json` prints it."""
+    JSON file as `coral plan --json` prints it (checked against the price table `prices`, default
+    `load_node_prices()`)."""
     from coral_dagster.app.plan_files import is_plan_file, load_plan_file
 
     if ref == LATEST:
         return latest_plan(store, scenario, method)
     if is_plan_file(ref):
-        return load_plan_file(Path(ref), store)
+        return load_plan_file(Path(ref), store, prices)
     return load_plan(store, ref)
 
 

@@ -39,15 +39,17 @@ def plan_scenario(scenario: str | Scenario, *, method: str = "coral", availabili
                   demand_mix: str = "uniform", running: Plan | None = None, scarcity: Scarcity | None = None,
                   time_limit_s: float = SAFETY_NET_S, db_path: str | None = None,
                   templates: Sequence[Template] | None = None, market=None, burst_aware: bool = True,
-                  boost: Mapping[str, float] | None = None, max_nodes: int | None = DEFAULT_MAX_NODES) -> Plan:
+                  boost: Mapping[str, float] | None = None, max_nodes: int | None = DEFAULT_MAX_NODES,
+                  prices=None) -> Plan:
     """A plan for a bundled scenario with one method; `running` is the plan live now (churn is priced against
     it); Helix ignores `templates`, demand mix and `running` (it places one model on the whole cluster). `market`
-    replaces the scenario's bundled snapshot scaled by `availability_scale`; `max_nodes` is each MIP's work limit,
-    `time_limit_s` the wall-clock safety net."""
+    replaces the scenario's snapshot, priced from `prices` (a price file's rows; default the bundled ones) and
+    scaled by `availability_scale`; `max_nodes` is each MIP's work limit, `time_limit_s` the wall-clock safety
+    net."""
     from coral_dagster.app.make_plan import solve_once
 
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
-    market = market or scn.market(availability_scale=availability_scale)
+    market = market or scn.market(availability_scale=availability_scale, prices=prices)
     if templates is None and method != "helix":
         templates = library_templates(scn, db_path)
     return solve_once(scn, method, templates, market, scenario_rates(scn, demand_mix), running=running,

@@ -62,7 +62,7 @@ def rows_of(doc: Any, key: str, path: Path) -> list[dict]:
     return rows
 
 
-def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: int, *, positive: bool = False,
+def field(row: dict, name: str, kind: type | tuple[type, ...], path: Path, idx: object, *, positive: bool = False,
           default: Any = ...) -> Any:
     """One typed field of one row; missing, mistyped, non-finite or non-positive values raise `CatalogError`."""
     if name not in row:

@@ -323,19 +323,18 @@ def _bundled() -> PriceBuild:
 
 def load_node_prices() -> pd.DataFrame:
     """The price table in use, built once per process; callers get their own copy. It is the user's price file
-    when `$CORAL_PRICES` names one (`--prices FILE`), else the bundled snapshot."""
+    when `$CORAL_PRICES` names one (`paths.prices_file`), else the bundled snapshot; a command's `--prices` file
+    reaches its code as an argument instead (`read_price_file`)."""
     user = paths.prices_file()
-    if user is None:
-        return _bundled().prices.copy()
-    if not user.is_file():
-        raise CatalogError(user, "-", "-", "price file not found (named by CORAL_PRICES or --prices)",
-                           "give the path of a CSV with columns " + ", ".join(USER_PRICE_COLUMNS))
-    return read_price_file(user)
+    return _bundled().prices.copy() if user is None else read_price_file(user)
 
 
 def read_price_file(path: Path) -> pd.DataFrame:
     """A price file in the user format (USER_PRICE_COLUMNS; e.g. data/prices/paper_normalised.csv), checked and
     cached per file version; callers get their own copy."""
+    if not path.is_file():
+        raise CatalogError(path, "-", "-", "price file not found (named by --prices or $CORAL_PRICES)",
+                           "give the path of a CSV with columns " + ", ".join(USER_PRICE_COLUMNS))
     stat = path.stat()
     return _user_prices(path.resolve(), stat.st_mtime_ns, stat.st_size).copy()
 

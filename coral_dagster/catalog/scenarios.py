@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field as dataclass_field, replace
 from datetime import datetime, timezone
 from functools import lru_cache
 from pathlib import Path
+from types import EllipsisType
 
 from coral_dagster import paths
 from coral_dagster.catalog._load import field, read_yaml, rows_of, check_unique
@@ -44,6 +45,8 @@ MAX_MINUTES = 1440.0
 MAX_LINK_GBPS = 10_000.0
 MAX_FACTOR = 100.0  # an availability factor or multiplier: 100× the mid-tier 1-GPU count is already no constraint
 MAX_WINDOWS = 10_080  # a week of 1-minute windows
+# A mapping of the scenario document as YAML gives it: each value is checked (and so narrowed) where it is read.
+Section = dict[str, object]
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -243,22 +246,22 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     if not isinstance(doc, dict):
         raise CatalogError(path, "-", "-", "expected a mapping at the top level", "see data/scenarios/core.yaml")
     _known_keys(doc, TOP_KEYS, path, "-")
-    name = field(doc, "name", str, path, "-")
+    name: str = field(doc, "name", str, path, "-")
     if not _NAME.match(name):
         raise CatalogError(path, "-", "name", f"{name!r} is not a scenario name",
                            "use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit")
-    description = field(doc, "description", str, path, "-", default="")
+    description: str = field(doc, "description", str, path, "-", default="")
     node_configs = _node_configs(doc, path)
     regions = _str_list(doc, "regions", path)
-    for r in regions:
-        if not REGION_RE.match(r):
-            raise CatalogError(path, "regions", "regions", f"region {r!r} is not cloud:region on aws or gcp",
+    for region in regions:
+        if not REGION_RE.match(region):
+            raise CatalogError(path, "regions", "regions", f"region {region!r} is not cloud:region on aws or gcp",
                                "write regions like aws:us-east-2 or gcp:us-central1")
     catalog = model_catalog()
     tpl = _section(doc, "templates", TEMPLATE_KEYS, path)
     margins = {"slo_margin": _number(tpl, "slo_margin", path, "templates", 1.0, 0.0, 1.0, low_open=True)}
     t_hat_rule = tpl.get("t_hat_rule", "slo")
-    if t_hat_rule not in T_HAT_RULE_NAMES:
+    if not isinstance(t_hat_rule, str) or t_hat_rule not in T_HAT_RULE_NAMES:
         raise CatalogError(path, "templates", "t_hat_rule", f"unknown T̂ rule {t_hat_rule!r}",
                            f"use one of {', '.join(T_HAT_RULE_NAMES)} (paper: the paper's per-stage rule; slo: ours)")
     rows = rows_of(doc, "models", path)
@@ -268,15 +271,15 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     for n, r in enumerate(rows):
         i = f"models[{n}]"
         _known_keys(r, MODEL_KEYS, path, i)
-        alias = field(r, "model", str, path, i)
-        base = field(r, "base", str, path, i, default=alias)
+        alias: str = field(r, "model", str, path, i)
+        base: str = field(r, "base", str, path, i, default=alias)
         if "base" in r:
             _served_model(alias, base, path, i)
         elif alias not in catalog:
             raise CatalogError(path, i, "model", f"unknown model {alias!r}",
                                f"use one of {', '.join(catalog)}, or serve it under its own name with "
                                "`base: <catalog model>`")
-        trace = field(r, "trace", str, path, i)
+        trace: str = field(r, "trace", str, path, i)
         if trace not in TRACES:
             raise CatalogError(path, i, "trace", f"unknown trace {trace!r}", f"use one of {', '.join(TRACES)}")
         models.append(ScenarioModel(alias, _number(r, "prefill_slo_ms", path, i, ..., 0.0, MAX_SLO_MS, low_open=True),
@@ -289,7 +292,7 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     alloc = _section(doc, "allocation", ALLOCATION_KEYS, path)
     link = doc.get("link_gbps")
     engine = doc.get("engine", "coral")
-    if engine not in SERVING_ENGINES:
+    if not isinstance(engine, str) or engine not in SERVING_ENGINES:
         raise CatalogError(path, "-", "engine", f"unknown serving engine {engine!r}",
                            f"use one of {', '.join(SERVING_ENGINES)}")
     return Scenario(
@@ -314,17 +317,16 @@ def _parse(path: Path, _mtime_ns: int, _size: int) -> Scenario:
     )
 
 
-def _day(doc: dict, path: Path) -> DaySpec | None:
+def _day(doc: Section, path: Path) -> DaySpec | None:
     """The optional `day` section (data/scenarios/DAY.md), every field checked; None when absent."""
     if doc.get("day") is None:
         return None
     day = _section(doc, "day", DAY_KEYS, path)
     base = DaySpec()
     hourly = day.get("hourly", [])
-    ok = (isinstance(hourly, list) and len(hourly) in (0, 24)
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
-                  for v in hourly) and (not hourly or max(hourly) == 1))
-    if not ok:
+    if not (isinstance(hourly, list) and len(hourly) in (0, 24)
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and 0 <= v <= 1
+                    for v in hourly) and (not hourly or max(hourly) == 1)):
         raise CatalogError(path, "day", "hourly", f"{hourly!r} is not 24 factors in [0, 1] with a largest of 1",
                            "give one factor of the peak rate per hour of the day, 0:00 UTC first, the peak hour 1")
     if hourly and ("peak_hour" in day or "peak_to_trough" in day):
@@ -356,11 +358,11 @@ def _served_model(name: str, base: str, path: Path, where: str) -> None:
         raise CatalogError(path, where, "base", exc.problem.rstrip("."), exc.fix) from None
 
 
-def _availability(doc: dict, path: Path, regions: list[str], node_configs: tuple[NodeConfig, ...]) -> Availability:
+def _availability(doc: Section, path: Path, regions: list[str], node_configs: tuple[NodeConfig, ...]) -> Availability:
     """The `availability` section: a profile (data/scenarios/MARKET.md), pinned counts and a series, each checked."""
     avail = _section(doc, "availability", AVAILABILITY_KEYS, path)
     profile = avail.get("profile", "uniform")
-    if profile not in PROFILES:
+    if not isinstance(profile, str) or profile not in PROFILES:
         raise CatalogError(path, "availability", "profile", f"unknown availability profile {profile!r}",
                            f"use one of {', '.join(PROFILES)} (data/scenarios/MARKET.md)")
     for key in ("base_nodes", "gpu_factors", "size_factors") if profile == "uniform" else ("default_nodes",):
@@ -410,7 +412,7 @@ def _availability(doc: dict, path: Path, regions: list[str], node_configs: tuple
     return replace(model, nodes=tuple(overrides), series=_series(avail, path, gpus))
 
 
-def _factors(avail: dict, key: str, path: Path) -> dict[str, float]:
+def _factors(avail: Section, key: str, path: Path) -> dict[str, float]:
     """A mapping of names (GPU types or node sizes) to factors in [0, MAX_FACTOR]."""
     value = avail.get(key) or {}
     if not isinstance(value, dict):
@@ -419,7 +421,7 @@ def _factors(avail: dict, key: str, path: Path) -> dict[str, float]:
     return {str(name): _number(value, name, path, f"availability/{key}", ..., 0.0, MAX_FACTOR) for name in value}
 
 
-def _series(avail: dict, path: Path, gpus: list[str]) -> Series | None:
+def _series(avail: Section, path: Path, gpus: list[str]) -> Series | None:
     """The optional availability series: window length in minutes and per-window multipliers (all GPUs, and per
     GPU type), every list as long as `multipliers`."""
     if "series" not in avail:
@@ -450,16 +452,15 @@ def _series(avail: dict, path: Path, gpus: list[str]) -> Series | None:
 
 def _multipliers(values: object, path: Path, where: str, key: str) -> tuple[float, ...]:
     """A non-empty list of at most MAX_WINDOWS finite factors in [0, MAX_FACTOR]."""
-    ok = (isinstance(values, list) and 0 < len(values) <= MAX_WINDOWS
-          and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and
-                  0 <= v <= MAX_FACTOR for v in values))
-    if not ok:
+    if not (isinstance(values, list) and 0 < len(values) <= MAX_WINDOWS
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and
+                    0 <= v <= MAX_FACTOR for v in values)):
         raise CatalogError(path, where, key, f"{values!r} is not a list of 1 to {MAX_WINDOWS:,} multipliers in "
                            f"[0, {MAX_FACTOR:g}]", "give one number per window, e.g. [1, 0.75, 0.5, 0.75]")
     return tuple(float(v) for v in values)
 
 
-def _section(doc: dict, key: str, known: frozenset[str], path: Path) -> dict:
+def _section(doc: Section, key: str, known: frozenset[str], path: Path) -> Section:
     """An optional mapping under `key` whose keys are all known."""
     value = doc.get(key)
     if value is None:
@@ -470,15 +471,15 @@ def _section(doc: dict, key: str, known: frozenset[str], path: Path) -> dict:
     return value
 
 
-def _known_keys(doc: dict, known: frozenset[str], path: Path, row: object) -> None:
+def _known_keys(doc: Section, known: frozenset[str], path: Path, row: object) -> None:
     """A misspelt key would be ignored silently, so every key must be one the scenario format has."""
     for key in doc:
         if key not in known:
             raise CatalogError(path, row, str(key), "unknown key", f"use one of {', '.join(sorted(known))}")
 
 
-def _number(doc: dict, key: str, path: Path, row: object, default, low: float, high: float, *,
-            low_open: bool = False, integer: bool = False) -> float:
+def _number(doc: Section, key: str, path: Path, row: object, default: float | EllipsisType, low: float, high: float,
+            *, low_open: bool = False, integer: bool = False) -> float:
     """A finite number (an integer when `integer`) in [low, high] ((low, high] when `low_open`)."""
     value = field(doc, key, int if integer else (int, float), path, row, default=default)
     inside = (value > low if low_open else value >= low) and value <= high
@@ -489,7 +490,7 @@ def _number(doc: dict, key: str, path: Path, row: object, default, low: float, h
     return value if integer else float(value)
 
 
-def _attainment_target(row: dict, path: Path, where: str) -> float:
+def _attainment_target(row: Section, path: Path, where: str) -> float:
     """The share of a model's requests that must meet both SLOs (default 0.95), in (0, 1)."""
     value = _number(row, "attainment_target", path, where, 0.95, 0.0, 1.0, low_open=True)
     if value >= 1.0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import numbers
-import os
 from typing import Any
 
 import click
@@ -58,24 +57,3 @@ db_option = click.option("--db", "db_path", type=click.Path(dir_okay=False), def
 
 SCENARIO_HELP = ("a bundled name (core, extended, helix) or the path of a scenario file (.yaml or .yml, any file "
                  "and scenario name; see data/scenarios/core.yaml)")
-
-
-def _use_prices(ctx: click.Context, param: click.Parameter, value: str | None) -> None:
-    """Check the price file now and make it the price table of this process (`$CORAL_PRICES`)."""
-    if value is None:
-        return
-    from coral_dagster.app.prices import load_node_prices
-    from coral_dagster.errors import CoralError
-
-    os.environ["CORAL_PRICES"] = os.path.abspath(value)
-    try:
-        load_node_prices()
-    except CoralError as exc:
-        raise click.BadParameter(str(exc), ctx, param) from None
-
-
-prices_option = click.option(
-    "--prices", type=click.Path(exists=True, dir_okay=False), default=None, expose_value=False,
-    callback=_use_prices,
-    help="Price CSV (region,node,instance_type,usd_per_hour[,spot_usd_per_hour]) to plan and deploy with instead "
-         "of the bundled SkyPilot rows (default: $CORAL_PRICES, else $CORAL_DATA_DIR/prices).")

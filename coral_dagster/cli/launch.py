@@ -9,7 +9,8 @@ import click
 import pandas as pd
 
 from coral_dagster.vocab import METHODS
-from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option, prices_option
+from coral_dagster.cli._out import NON_NEGATIVE, db_option, emit, emit_json, json_option
+from coral_dagster.cli.types import prices_path_option
 from coral_dagster.app.deployment import GPU_ROLES
 
 
@@ -18,11 +19,12 @@ def _records(df: pd.DataFrame) -> list[dict]:
     return json.loads(df.to_json(orient="records", date_format="iso"))
 
 
-def _load_plan(store, ref: str, scenario: str, method: str):
-    """The plan to deploy: `latest` of the scenario and method, a stored plan id, or a plan file with a plan_id."""
+def _load_plan(store, ref: str, scenario: str, method: str, prices=None):
+    """The plan to deploy: `latest` of the scenario and method, a stored plan id, or a plan file with a plan_id
+    (its regions and nodes checked against the price table `prices`)."""
     from coral_dagster.app.plans import resolve_plan
 
-    return resolve_plan(store, ref, scenario, method)
+    return resolve_plan(store, ref, scenario, method, prices)
 
 
 def _actions(diff) -> pd.DataFrame:
@@ -66,12 +68,11 @@ def _echo_cost(plan, cost, priced_from: str) -> None:
 @click.option("--plain-http", is_flag=True,
               help="Serve clients plain HTTP (default: HTTPS, with a self-signed certificate made on each coordinator "
                    "VM unless CORAL_TLS_CERTFILE/KEYFILE name a real one; docs/deployment.md).")
-@prices_option
+@prices_path_option
 @json_option
 @db_option
 def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: str | None, drain_timeout_s: float,
-           retry_until_up: bool, plain_http: bool,
-           as_json: bool, db_path: str | None) -> None:
+           retry_until_up: bool, plain_http: bool, prices_path: str | None, as_json: bool, db_path: str | None) -> None:
     """Reconcile the running deployment to a plan: launch added instances, drain and take down removed ones.
 
     Each GPU node is its own SkyPilot cluster (accelerators, cloud, region, spot as planned); an instance's first
@@ -91,12 +92,15 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     from coral_dagster.app.deployment import deploy
     from coral_dagster.app.plans import plan_label
     from coral_dagster.app.plans import Store
+    from coral_dagster.app.prices import price_table
 
     store = Store(db_path)
-    plan = _load_plan(store, plan_ref, scenario, method)
+    prices = price_table(prices_path)
+    plan = _load_plan(store, plan_ref, scenario, method, prices)
     label = plan_label(plan)
     done = deploy(store, plan, dry_run=dry_run, out=Path(out_dir) if out_dir else None,
-                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up, plain_http=plain_http)
+                  drain_timeout_s=drain_timeout_s, retry_until_up=retry_until_up, plain_http=plain_http,
+                  prices=prices)
     report = done.report
     if report is not None:
         if as_json:

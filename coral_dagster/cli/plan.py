@@ -8,7 +8,7 @@ import click
 
 from coral_dagster.app.make_plan import DEFAULT_MAX_NODES, SAFETY_NET_S
 from coral_dagster.cli._out import (NON_NEGATIVE, POSITIVE, SCENARIO_HELP, db_option, emit_json, emit_table,
-                                   json_option, prices_option)
+                                   json_option)
 from coral_dagster.cli.templates import t_hat_rule_option
 from coral_dagster.cli.types import prices_path_option
 from coral_dagster.vocab import METHODS, SERVING_ENGINES
@@ -127,12 +127,12 @@ def bench() -> None:
               help="Seconds of each held-out simulation of the attainment setting.")
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), default=None,
               help="Also write the JSON document here, and its plot beside it (same name, .png).")
-@prices_option
+@prices_path_option
 @db_option
 @json_option
 def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, sim_duration_s: float, sim_trace: str,
                sim_replan: bool, attainment_seeds: str, attainment_duration_s: float, out_path: str | None,
-               db_path: str | None, as_json: bool) -> None:
+               prices_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Coral, Homo-ILP, Homo and Cauchy on the same inputs: cost, ratio to Coral, goodput, churn, solve time."""
     from tqdm import tqdm
 
@@ -144,7 +144,7 @@ def allocation(scenarios: str, settings: str, helix: bool, helix_slo_ms: str, si
                          settings=tuple(s for s in settings.split(",") if s), helix=helix, helix_slo_ms=slo,
                          sim_duration_s=sim_duration_s, sim_trace=sim_trace, sim_replan=sim_replan,
                          attainment_seeds=tuple(int(x) for x in attainment_seeds.split(",") if x),
-                         attainment_duration_s=attainment_duration_s)
+                         attainment_duration_s=attainment_duration_s, prices_path=prices_path)
     progress = None if as_json else (lambda it, desc: tqdm(list(it), desc=desc))
     doc = run_allocation_bench(lambda scn: library_templates(scn, db_path), config, progress=progress)
     png = _harness().write_bench(doc, out_path) if out_path else None

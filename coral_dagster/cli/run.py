@@ -7,7 +7,8 @@ import sys
 import click
 import pandas as pd
 
-from coral_dagster.cli._out import POSITIVE, FiniteFloat, db_option, emit_json, emit_table, json_option, prices_option
+from coral_dagster.cli._out import POSITIVE, FiniteFloat, db_option, emit_json, emit_table, json_option
+from coral_dagster.cli.types import prices_path_option
 
 # The pipeline's template library is partitioned by the bundled scenarios' models, so it runs those only.
 STEP_BY_STEP = ("run a scenario file step by step instead: `coral templates build --scenario FILE`, then `coral plan "
@@ -34,12 +35,12 @@ def _bundled(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
               help="Simulate the Coral plan on each model's own trace and re-plan with more capacity for models "
                    "below target (at most 3 plans).")
-@prices_option
+@prices_path_option
 @db_option
 @json_option
 @click.pass_context
 def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, closed_loop: bool,
-        db_path: str | None, as_json: bool) -> None:
+        prices_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Run the pipeline end to end on the bundled data and print a summary.
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
@@ -54,7 +55,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
     verbose = bool(ctx.find_root().params.get("verbose"))
     check_dagster_home(dagster_home())
     result = materialize_pipeline(scenario, simulate_s=simulate_s, attainment_target=attainment_target,
-                                  closed_loop=closed_loop, db_path=db_path,
+                                  closed_loop=closed_loop, db_path=db_path, prices_path=prices_path,
                                   log_level="INFO" if verbose else "CRITICAL",
                                   on_step=lambda step: click.echo(f"materialize: {step}", err=True))
     store = Store(db_path)

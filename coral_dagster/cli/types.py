@@ -40,7 +40,8 @@ NON_NEGATIVE = FiniteFloat(0.0)
 
 
 def _price_file(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """The price file --prices names, checked now; None: the default (`$CORAL_PRICES`, else the bundled rows)."""
+    """The price file --prices (else `$CORAL_PRICES`, read here and nowhere deeper) names, checked now; None: the
+    bundled rows."""
     from coral_dagster.app.prices import checked_price_file
     from coral_dagster.errors import CoralError
 
@@ -50,8 +51,9 @@ def _price_file(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(str(exc), ctx, param) from None
 
 
-#: --prices as an argument of the command (`prices_path`), passed on to what it plans with.
+#: --prices as an argument of the command (`prices_path`), passed on to what it plans and deploys with.
 prices_path_option = click.option(
-    "--prices", "prices_path", type=click.Path(exists=True, dir_okay=False), default=None, callback=_price_file,
-    help="Price CSV (region,node,instance_type,usd_per_hour[,spot_usd_per_hour]) to plan with instead of the "
-         "bundled SkyPilot rows (default: $CORAL_PRICES, else $CORAL_DATA_DIR/prices).")
+    "--prices", "prices_path", type=click.Path(dir_okay=False), default=None, envvar="CORAL_PRICES",
+    callback=_price_file,
+    help="Price CSV (region,node,instance_type,usd_per_hour[,spot_usd_per_hour]) to plan and deploy with instead "
+         "of the bundled SkyPilot rows (default: $CORAL_PRICES, else $CORAL_DATA_DIR/prices).")

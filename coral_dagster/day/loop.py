@@ -6,8 +6,11 @@ Time is simulated: a window starts at `window × replan_interval_min`. Launched 
 it lowers it) and are billed through their drain (`shape.drain_s`); the day starts warm (window 0's plan is up
 at 0:00). Serving is a fluid estimate over the window's segments between those moments, not a request-level
 simulation: admission admits of each model the share of its demand the plan serves (`with_admission`), the plan
-holds its attainment target on what it admits when all its capacity is up, and each model's attainment in the
-window is the time-weighted share of its planned capacity that is up (start-up lag and refused launches lower it).
+holds its attainment target on what it admits when the capacity the rule sizes for that is up, and each model's
+attainment in the window is the time-weighted share of that capacity that is up (start-up lag and refused launches
+lower it). Re-plans size for a forecast (`shape.forecast_rates`: the last hour's peak carried along the day's shape
+until launches are up) or, with `sizing="window"`, for the window's own rates; nodes held stay held when the
+market's free pool shrinks.
 With `serve_mode="requests"` the segments are served request by request instead (`day.serve`): the instances up in
 a segment serve that segment's arrivals in the event-driven simulator, behind admission recomputed for the capacity
 up. Requests still running at a segment's end finish on that segment's instances (a removed instance finishes what
@@ -32,8 +35,8 @@ from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.catalog.scenarios import Scenario
 from coral_dagster.day.cloud import SimCloud, SimDrainer
 from coral_dagster.day.serve import SERVE_MODES, Segment, WindowServing, serve_window
-from coral_dagster.day.shape import (availability_window, day_spec, drain_s, raw_demand, startup_s, window_count,
-                                     window_rates)
+from coral_dagster.day.shape import (SIZINGS, availability_window, day_spec, drain_s, forecast_rates, lookback_windows,
+                                     raw_demand, startup_s, window_count, window_rates)
 from coral_dagster.deploy import state
 from coral_dagster.deploy.reconcile import reconcile
 from coral_dagster.errors import UnknownNameError
@@ -85,6 +88,7 @@ class DayResult:
     replan_interval_min: float
     windows: tuple[WindowRow, ...]
     serve_mode: str = "fluid"
+    sizing: str = "forecast"
 
     @property
     def cost_usd(self) -> float:
@@ -104,7 +108,8 @@ class DayResult:
 
     def as_dict(self) -> dict:
         worst = self.worst_window
-        return {"scenario": self.scenario, "method": self.method, "serve_mode": self.serve_mode, "hours": self.hours,
+        return {"scenario": self.scenario, "method": self.method, "serve_mode": self.serve_mode, "sizing": self.sizing,
+                "hours": self.hours,
                 "replan_interval_min": self.replan_interval_min, "cost_usd": self.cost_usd,
                 "cost_usd_per_day": self.cost_usd * 24.0 / self.hours if self.hours else 0.0,
                 "slo_tokens": self.slo_tokens, "usd_per_million_slo_tokens": self.usd_per_million_slo_tokens,
@@ -152,6 +157,9 @@ class DayLoop:
     serve_mode: str = "fluid"
     # Keep every window's segment runs (sub-plans, arrivals, engine output) in `served`; else their sums alone.
     keep_runs: bool = False
+    # "forecast": re-plans size for the last hour's peak carried along the day's shape until launches are up;
+    # "window": for the window's own rates (`shape.SIZINGS`).
+    sizing: str = "forecast"
     instances: dict[str, _Instance] = field(default_factory=dict)
     adopted: list[Plan] = field(default_factory=list)
     served: list[WindowServing] = field(default_factory=list)
@@ -159,6 +167,8 @@ class DayLoop:
     def __post_init__(self) -> None:
         if self.serve_mode not in SERVE_MODES:
             raise UnknownNameError("serve mode", self.serve_mode, SERVE_MODES)
+        if self.sizing not in SIZINGS:
+            raise UnknownNameError("sizing", self.sizing, SIZINGS)
 
     def run(self, hours: float = 24.0, progress: Callable[[WindowRow], None] | None = None) -> DayResult:
         interval_s = self.scenario.replan_interval_min * 60.0
@@ -175,13 +185,21 @@ class DayLoop:
         running: Plan | None = None
         pending = False
         rows = []
+        # The day starts warm: yesterday's last hour of rates is the forecast's first history.
+        observed = [window_rates(self.scenario, w) for w in range(-lookback_windows(self.scenario), 0)]
         for w in range(window_count(self.scenario, hours)):
             t0 = w * interval_s
-            market = self.scenario.market(window=availability_window(self.scenario, w),
+            market = self.scenario.market(window=availability_window(self.scenario, w), prices=self.prices,
                                           taken_at=DAY_START + timedelta(seconds=t0))
             market_now["m"], window_now[0] = market, w
             rates = window_rates(self.scenario, w)
-            plan_rates = dict(self.static_rates) if self.static_rates is not None else rates
+            observed.append(rates)
+            if self.static_rates is not None:
+                plan_rates = dict(self.static_rates)
+            else:
+                plan_rates = forecast_rates(self.scenario, w, observed) if self.sizing == "forecast" else rates
+            # Nodes held stay held when the market's free pool shrinks: the planner may keep what is up.
+            market = _held_market(market, cloud)
             plan, replan_s, reasons = running, 0.0, ""
             if running is None or self.static_rates is None:
                 plan, replan_s, reasons = self._decide(plan_rates, market, running)
@@ -220,7 +238,7 @@ class DayLoop:
             if progress is not None:
                 progress(row)
         return DayResult(self.scenario.name, self.method, hours, self.scenario.replan_interval_min, tuple(rows),
-                         self.serve_mode)
+                         self.serve_mode, self.sizing)
 
     def _decide(self, rates: Mapping[str, float], market: MarketSnapshot,
                 running: Plan | None) -> tuple[Plan, float, str]:
@@ -286,6 +304,9 @@ class DayLoop:
         admitted = {m: min([1.0] + [planned.get((m, p), 0.0) / (d * factors.get((m, p), 1.0))
                                     for p in ("prefill", "decode") if (d := need.get((m, p), 0.0)) > 0])
                     for m in rates}
+        # What the admitted traffic needs up to hold its target: the capacity rule's size for the window's demand,
+        # or all the plan has where that is less (a plan sized ahead carries more than the window needs).
+        required = {k: min(v, need.get(k, 0.0) * factors.get(k, 1.0)) for k, v in planned.items()}
         cuts = sorted({t0, t1} | {t for i in self.instances.values() for t in (i.ready_s, i.serve_until_s)
                                   if t0 < t < t1})
         up_share: dict[str, float] = {m: 0.0 for m in rates}
@@ -303,8 +324,8 @@ class DayLoop:
                     up[(i.template.template_id, i.region)] = (i.template, (held[1] if held else 0) + 1,
                                                               i.usd_per_hour)
             for m in rates:
-                keys = [(m, p) for p in ("prefill", "decode") if planned.get((m, p), 0) > 0]
-                up_share[m] += (b - a) * min([1.0] + [cap.get(k, 0.0) / planned[k] for k in keys])
+                keys = [(m, p) for p in ("prefill", "decode") if required.get((m, p), 0) > 0]
+                up_share[m] += (b - a) * min([1.0] + [cap.get(k, 0.0) / required[k] for k in keys])
             capacity_end = sum(cap.values())
             segments.append(Segment(a, b, tuple(PlannedInstance(t, region, n, usd)
                                                 for (_, region), (t, n, usd) in sorted(up.items())),
@@ -346,6 +367,17 @@ def _contribution(template: Template, phase: str, prompt_per_output: Mapping[str
     if template.phase == "aggregated":
         return template.tokens_per_s * (1.0 if phase == "decode" else prompt_per_output[template.model])
     return 0.0
+
+
+def _held_market(market: MarketSnapshot, cloud: SimCloud) -> MarketSnapshot:
+    """The snapshot with each (region, node) at least the nodes held there: a cloud's free pool shrinking takes
+    no node already running (on-demand nodes are not reclaimed)."""
+    held = {(o.region, str(o.node)): cloud.in_use(o.region, str(o.node)) for o in market.offers}
+    if all(o.available_nodes >= held[(o.region, str(o.node))] for o in market.offers):
+        return market
+    offers = tuple(replace(o, available_nodes=max(o.available_nodes, held[(o.region, str(o.node))]))
+                   for o in market.offers)
+    return replace(market, snapshot_id=f"{market.snapshot_id}-held", offers=offers)
 
 
 def _blocked_market(market: MarketSnapshot, blocked: Mapping[tuple[str, str], int]) -> MarketSnapshot:

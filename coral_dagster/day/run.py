@@ -18,7 +18,7 @@ from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.day.loop import DayLoop, DayResult, WindowRow
 from coral_dagster.day.serve import SERVE_MODES
-from coral_dagster.day.shape import peak_rates, window_count
+from coral_dagster.day.shape import SIZINGS, peak_rates, window_count
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.highs import DEFAULT_MAX_NODES
 from coral_dagster.store import Store
@@ -47,15 +47,20 @@ def method_planner(scenario: Scenario, templates: Sequence[Template], method: st
 def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 24.0, db_path: str | None = None,
             failure_rate: float = 0.0, seed: int = 0, time_limit_s: float | None = None,
             templates: Sequence[Template] | None = None, store_result: bool = True,
-            progress: Callable[[WindowRow], None] | None = None, serve: str = "fluid") -> DayResult:
+            progress: Callable[[WindowRow], None] | None = None, serve: str = "fluid",
+            sizing: str = "forecast", prices_path: str | None = None) -> DayResult:
     """Simulate `hours` of the scenario's day with `method` (`static-peak`: Coral's plan for the day's peak rates,
     run all day); the reconciler's records go to a scratch DuckDB file (never the store's own deployment), the
     result to the store's `day_runs` and `day_windows` in one transaction. `serve`: "fluid" estimates each window's
-    serving from the capacity up; "requests" serves its traffic request by request (`day.serve`), slower."""
+    serving from the capacity up; "requests" serves its traffic request by request (`day.serve`), slower.
+    `sizing`: what each re-plan sizes for (`shape.SIZINGS`): a forecast over the start-up lead, or the window.
+    `prices_path`: a price file (`--prices`) to plan and bill with instead of the bundled rows."""
     if method not in DAY_METHODS:
         raise UnknownNameError("day method", method, DAY_METHODS)
     if serve not in SERVE_MODES:
         raise UnknownNameError("serve mode", serve, SERVE_MODES)
+    if sizing not in SIZINGS:
+        raise UnknownNameError("sizing", sizing, SIZINGS)
     if not (0 < hours <= 24 * 7):
         raise CoralError(f"--hours {hours:g} is outside (0, 168].", "give the hours to simulate, e.g. --hours 24")
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
@@ -65,16 +70,20 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
     limit = time_limit_s if time_limit_s is not None else scn.replan_interval_min * 30.0
     static = method == "static-peak"
     planner = method_planner(scn, templates, "coral" if static else method, time_limit_s=limit)
+    from coral_dagster.app.prices import price_table
     from coral_dagster.catalog.prices import load_node_prices
+
+    prices = price_table(prices_path)
 
     # The reconciler warns of every rolled-back launch; in a simulated day they are the windows' `nodes_failed`.
     quiet = logging.getLogger("coral_dagster.deploy.reconcile")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="coral-day-") as scratch:
-        loop = DayLoop(scn, method, planner, Store(Path(scratch) / "deployment.duckdb"), load_node_prices(),
+        loop = DayLoop(scn, method, planner, Store(Path(scratch) / "deployment.duckdb"),
+                       load_node_prices() if prices is None else prices,
                        static_rates=peak_rates(scn, window_count(scn, hours)) if static else None,
-                       failure_rate=failure_rate, seed=seed, serve_mode=serve)
+                       failure_rate=failure_rate, seed=seed, serve_mode=serve, sizing=sizing)
         try:
             result = loop.run(hours, progress)
         finally:
@@ -89,7 +98,8 @@ def store_day(store: Store, scenario: Scenario, result: DayResult) -> str:
     run_id = uuid.uuid4().hex[:12]
     summary = result.as_dict()
     run = pd.DataFrame([{"run_id": run_id, "scenario": scenario.name, "scenario_key": scenario.scenario_key,
-                         "method": result.method, "serve_mode": result.serve_mode, "hours": result.hours,
+                         "method": result.method, "serve_mode": result.serve_mode, "sizing": result.sizing,
+                         "hours": result.hours,
                          "replan_interval_min": result.replan_interval_min, "cost_usd": result.cost_usd,
                          "slo_tokens": result.slo_tokens,
                          "usd_per_million_slo_tokens": result.usd_per_million_slo_tokens,

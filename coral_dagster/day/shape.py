@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from coral_dagster.catalog.scenarios import DaySpec, Scenario
 from coral_dagster.templates.types import Template
 
 MINUTES_PER_DAY = 1440.0
+# How a window's re-plan sizes capacity: "window" for the window's own rates (a snapshot plan), "forecast" for
+# the highest of the last hour's rates carried along the diurnal forecast until what it launches is up (DAY.md §6).
+SIZINGS = ("forecast", "window")
+LOOKBACK_MIN = 60.0
 
 
 def day_spec(scenario: Scenario) -> DaySpec:
@@ -91,3 +95,36 @@ def raw_demand(scenario: Scenario, rates: Mapping[str, float]) -> dict[tuple[str
     from coral_dagster.allocation.inputs import scenario_traces
 
     return demand_tokens(rates, scenario_traces(scenario), 1.0)
+
+
+def lead_windows(scenario: Scenario) -> int:
+    """Re-plan windows until an instance launched now surely serves: the longest start-up (boot, setup and the
+    scenario's largest model's weights loaded by one node) in whole windows."""
+    from coral_dagster.catalog.models import get_model
+
+    spec = day_spec(scenario)
+    weights = max(get_model(m.base).total_weight_bytes for m in scenario.models)
+    longest_s = 60.0 * (spec.boot_min + spec.setup_min) + weights / (spec.weight_gbytes_per_s * 1e9)
+    return math.ceil(longest_s / (scenario.replan_interval_min * 60.0) - 1e-9)
+
+
+def lookback_windows(scenario: Scenario) -> int:
+    """Re-plan windows of observed rates a forecast looks back over (`LOOKBACK_MIN`, at least one)."""
+    return max(1, int(round(LOOKBACK_MIN / scenario.replan_interval_min)))
+
+
+def forecast_rates(scenario: Scenario, window: int, observed: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The rates window `window`'s re-plan sizes for: per model, the highest rate of the last hour's windows
+    (`observed`, oldest first, this window's last), each carried along the diurnal shape to the highest share of
+    the windows from this one until capacity launched now is up (`lead_windows`). A forecast from the day's shape
+    and recent bursts, as forecast-aware autoscaling with a lead time does (DAY.md D3); never the future's bursts."""
+    spec = day_spec(scenario)
+    minutes = scenario.replan_interval_min
+    recent = list(observed)[-lookback_windows(scenario):]
+    ahead = max(diurnal(spec, (window + k + 0.5) * minutes) for k in range(lead_windows(scenario) + 1))
+    out: dict[str, float] = {}
+    for age, rates in enumerate(reversed(recent)):
+        scale = ahead / diurnal(spec, (window - age + 0.5) * minutes)
+        for m, r in rates.items():
+            out[m] = max(out.get(m, 0.0), r * scale)
+    return out

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -122,10 +123,17 @@ def standby_coordinator(cfg: CoordinatorConfig, primary: int, ports: tuple[int, 
     roles.run_coordinator(cfg)
 
 
-def _process_context() -> multiprocessing.context.BaseContext:
+def _process_context() -> multiprocessing.context.ForkServerContext:
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+def _pid(proc: BaseProcess) -> int:
+    """The id of a started process (a deployment keeps only started ones)."""
+    if proc.pid is None:
+        raise RuntimeError(f"process {proc.name} was never started")
+    return proc.pid
 
 
 @dataclass
@@ -161,7 +169,7 @@ class LocalDeployment:
     vllm_launch: dict[str, Any] = field(default_factory=dict)
     # PD with vLLM: each phase's `--kv-transfer-config` JSON (`templates.engines.vllm_kv_transfer_config`).
     kv_transfer: dict[str, str] = field(default_factory=dict)
-    procs: dict[str, multiprocessing.Process] = field(default_factory=dict)
+    procs: dict[str, BaseProcess] = field(default_factory=dict)
     restarts: dict[str, int] = field(default_factory=dict)
     # A pidfd per role: whether it runs is read from the kernel, not from multiprocessing, which reads every child
     # of a dead fork server as exited (status 255).
@@ -201,6 +209,8 @@ class LocalDeployment:
         starts its own processes) spawns a fresh interpreter instead of forking from the preloaded server."""
         # Keys travel in the environment (and the API key in the coordinator's config), never on a command line.
         env = {"OMP_NUM_THREADS": "1", **self.keys.env(), **self._secrets(kwargs)}
+        if self.log_dir is None:
+            raise RuntimeError("a deployment's log_dir is set when it is created (__post_init__)")
         log_path = self.log_dir / f"{name}.log"
         if name not in self.procs:
             log_path.unlink(missing_ok=True)
@@ -212,7 +222,7 @@ class LocalDeployment:
         if name in self.pidfds:
             os.close(self.pidfds.pop(name))
         try:
-            self.pidfds[name] = os.pidfd_open(proc.pid)
+            self.pidfds[name] = os.pidfd_open(_pid(proc))
         except ProcessLookupError:
             pass  # It has already ended (and its fork server reaped it): `exitcode` reads its status.
         self._roles[name] = (target, kwargs, own_children)
@@ -283,7 +293,7 @@ class LocalDeployment:
 
     def _spawn_standby(self) -> None:
         cfg = self._roles["coordinator"][1]["cfg"]
-        self.spawn(self._standby_name, standby_coordinator, {"cfg": cfg, "primary": self.procs["coordinator"].pid,
+        self.spawn(self._standby_name, standby_coordinator, {"cfg": cfg, "primary": _pid(self.procs["coordinator"]),
                                                              "ports": (self.zmq_port, self.http_port)})
 
     def _promote_standby(self) -> None:
@@ -336,9 +346,9 @@ class LocalDeployment:
                 code = self.exitcode(name)
                 if code is None:
                     continue
-                if proc.pid not in swept:
-                    swept.add(proc.pid)
-                    groups.kill_group(proc.pid)
+                if (pid := _pid(proc)) not in swept:
+                    swept.add(pid)
+                    groups.kill_group(pid)
                 standby = self._standby_name
                 if name == "coordinator" and self.standby and standby in self.procs and self.alive(standby):
                     with self._swap:
@@ -371,14 +381,14 @@ class LocalDeployment:
 
     def _signal(self, name: str, signum: int) -> None:
         try:
-            os.kill(self.procs[name].pid, signum)
+            os.kill(_pid(self.procs[name]), signum)
         except ProcessLookupError:
             pass
 
     def kill(self, name: str) -> None:
         """SIGKILL one process and its group, as a machine failure would."""
         self._signal(name, signal.SIGKILL)
-        groups.kill_group(self.procs[name].pid)
+        groups.kill_group(_pid(self.procs[name]))
         self.exitcode(name, wait_s=10)
 
     def stop(self, timeout_s: float = 5.0) -> None:
@@ -401,7 +411,7 @@ class LocalDeployment:
         for name, p in self.procs.items():
             if self.exitcode(name, wait_s=max(0.1, deadline - time.monotonic())) is None:
                 self._signal(name, signal.SIGKILL)
-            groups.kill_group(p.pid)
+            groups.kill_group(_pid(p))
             p.join(timeout=5)
         for fd in self.pidfds.values():
             os.close(fd)

