@@ -10,6 +10,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Iterator, Set
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,9 +20,10 @@ from coral_dagster.runtime import credentials, wire
 from coral_dagster.runtime.protocol import MESSAGES, Env, Kind, Link, check
 from coral_dagster.runtime.config import CoordinatorConfig, format_admit, parse_admit
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime.limits import (ModelLimits, RequestError, check_request, finite_positive, max_tokens_of,
-                                          token_ids)
+from coral_dagster.runtime.limits import (MAX_PROMPT_TOKENS, ModelLimits, RequestError, check_request, finite_positive,
+                                          max_tokens_of, token_ids)
 from coral_dagster.runtime.sampling import SamplingParams
+from coral_dagster.runtime.scheduler import PREFILL_CHUNK_TOKENS
 from coral_dagster.runtime.security import CurveKeys, Security, is_local
 from coral_dagster.runtime.tokenizer import ByteTokenizer, finish_reason
 from coral_dagster.routing import Admission, Candidate, Router
@@ -49,6 +51,12 @@ class _Instance:
     # From its heartbeats: how long it has held work without progress, and its progress limit (scaled by that work).
     stalled_s: float = 0.0
     progress_timeout_s: float = 0.0
+    # Prompt tokens of the requests dispatched here whose first token has not come back yet (`prefill_fits`).
+    prefill_tokens: int = 0
+
+    def prefill_budget_tokens(self) -> int:
+        """One context of prompt tokens: every valid prompt fits alone (none when the context is unknown)."""
+        return self.limits.max_context if self.limits and self.limits.max_context else MAX_PROMPT_TOKENS
 
 
 @dataclass
@@ -77,6 +85,11 @@ class _Request:
     failed_on: set[str] = field(default_factory=set)
     # Attempts that ended with their instance dead or restarted; at MAX_DEATHS the request fails alone.
     deaths: int = 0
+    # The instance its prompt tokens count against until its first token (`_Instance.prefill_tokens`), and how many.
+    prefill_on: str = ""
+    prefill_held: int = 0
+    # When its client last heard that it waits in the queue (never: -inf).
+    told_queued: float = -math.inf
 
 
 # A request in flight on this many instances that died is not tried on another: it may be what kills them.
@@ -86,6 +99,73 @@ MAX_DEATHS = 2
 MAX_INSTANCES = 1024
 MAX_NAME_CHARS = 256
 MAX_STAGES_BYTES = 6 << 10
+
+
+def prefill_fits(held_tokens: int, tokens: int, budget_tokens: int) -> bool:
+    """Whether a prompt of `tokens` may start on an instance whose dispatched requests hold `held_tokens` of prompt
+    not yet prefilled: always on one that holds none (a valid prompt fits a context), else within `budget_tokens`;
+    a light prompt (one prefill chunk, one forward pass) within one chunk more, so no heavy prompt holds it back."""
+    return (held_tokens == 0 or held_tokens + tokens <= budget_tokens
+            or (tokens <= PREFILL_CHUNK_TOKENS and held_tokens + tokens <= budget_tokens + PREFILL_CHUNK_TOKENS))
+
+
+@dataclass
+class _Waiting:
+    key: str
+    group: str
+    tokens: int
+    # Prompt tokens of later requests of its group that started while it waited.
+    passed: int = 0
+
+
+class WorkQueue:
+    """Requests waiting for prefill room, first come first served within a group (a model). A request that cannot
+    start lets later ones of its group that can start pass it, until they add up to its own prompt tokens; then
+    they wait behind it. A light request never waits for a heavy one to find room, and a heavy one waits for at
+    most its own work's worth of lighter ones (as vLLM's scheduler lets a short prefill run beside a long one's
+    chunk, and serves its waiting queue first come first served)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[str, _Waiting] = {}
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._waiting
+
+    def __iter__(self) -> Iterator[str]:
+        """The waiting keys, first to start first."""
+        return iter(list(self._waiting))
+
+    def add(self, key: str, group: str, tokens: int, first: bool = False) -> None:
+        """Queue `key` last, or first (a retry: it arrived before everything waiting)."""
+        entry = _Waiting(key, group, tokens)
+        self._waiting = {key: entry, **self._waiting} if first else {**self._waiting, key: entry}
+
+    def discard(self, key: str) -> None:
+        self._waiting.pop(key, None)
+
+    def pump(self, start: Callable[[str], bool]) -> list[str]:
+        """Offer each waiting request, in order, to `start`, which starts it (or fails it) and says whether it left
+        the queue, or says False when no instance has room for it; returns those that left, in order."""
+        blocked: dict[str, list[_Waiting]] = {}
+        # Per group: the most prompt tokens a later request may have and pass every one blocked before it.
+        room: dict[str, float] = {}
+        left = []
+        for w in list(self._waiting.values()):
+            if w.key not in self._waiting:
+                continue
+            if w.tokens <= room.get(w.group, math.inf) and start(w.key):
+                for b in blocked.get(w.group, ()):
+                    b.passed += w.tokens
+                room[w.group] = room.get(w.group, math.inf) - w.tokens
+                self._waiting.pop(w.key, None)
+                left.append(w.key)
+            else:
+                blocked.setdefault(w.group, []).append(w)
+                room[w.group] = min(room.get(w.group, math.inf), w.tokens - w.passed)
+        return left
 
 
 def _stages(value: Any) -> list[dict[str, Any]]:
@@ -105,12 +185,13 @@ class Coordinator:
     A request goes to an aggregated instance (`generate`), or when the model has ready prefill and decode
     instances, to a decode instance (`decode`, which answers with its KV route) and then to a prefill instance
     (`prefill` with that route), whose first token starts the decode (`first_token`). Events to the client:
-    `accepted`, `token`, `done`, `error`. A failed attempt resumes on another instance from the tokens already
-    produced, up to `max_retries` times and never on an instance it failed on; then the client gets an `error`
-    that says why. An instance is bound to the connection that registered it: a registration under a live
-    instance's name from another connection is refused, and once taken (the old connection is gone: a restart),
-    the old process's requests resume elsewhere at once. Instances whose model metadata (vocabulary, context,
-    layers) disagrees with the deployment's own are refused.
+    `accepted`, `token`, `done`, `error`. A request starts only where an instance has room for its prompt's prefill
+    (`prefill_fits`); until then it waits in `queue` (`WorkQueue`), its client told `accepted` with `queued`. A failed
+    attempt resumes on another instance from the tokens already produced, up to `max_retries` times and never on an
+    instance it failed on; then the client gets an `error` that says why. An instance is bound to the connection
+    that registered it: a registration under a live instance's name from another connection is refused, and once
+    taken (the old connection is gone: a restart), the old process's requests resume elsewhere at once. Instances
+    whose model metadata (vocabulary, context, layers) disagrees with the deployment's own are refused.
 
     With a `registration_key`, a registration must also answer a `challenge` with a proof of the instance's
     credential (`credentials`), so a process holding the deployment's CURVE key cannot register, or take over
@@ -147,6 +228,8 @@ class Coordinator:
         self.instances: dict[str, _Instance] = {}
         self.departed: list[str] = []
         self.requests: dict[str, _Request] = {}
+        # Requests waiting for prefill room on an instance (`prefill_fits`); their progress clocks start at dispatch.
+        self.queue = WorkQueue()
         self.tokenizer = ByteTokenizer()
         self.routing = Router()
         self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
@@ -201,6 +284,8 @@ class Coordinator:
     def _drain_socket(self, sock: zmq.Socket, now: float) -> None:
         """Handle each message on its own: one that cannot be handled is answered with an error, never fatal."""
         for ident, h, _ in wire.drain(sock, routed=True):
+            if ident is None:
+                raise RuntimeError("a ROUTER socket gave a message without its sender's routing id")
             try:
                 self._handle(sock, ident, h, now)
             except RequestError as exc:
@@ -330,7 +415,7 @@ class Coordinator:
         inst = _Instance(name, ident, model, str(h["phase"]), tokens_per_s, stages, now,
                          region=str(h.get("region") or "local"), weight=weight,
                          requests=old.requests if old else set(), served=old.served if old else 0,
-                         limits=limits, incarnation=incarnation)
+                         limits=limits, incarnation=incarnation, prefill_tokens=old.prefill_tokens if old else 0)
         self.instances[name] = inst
         log.info("instance %s (%s %s, %g tok/s) registered", name, inst.model, inst.phase, inst.tokens_per_s)
         wire.send(self.router, {"kind": "registered"}, to=ident)
@@ -340,6 +425,8 @@ class Coordinator:
         else the first registered instance's); empty when they agree."""
         from coral_dagster.runtime.roles import model_layers, model_limits
 
+        expected: ModelLimits | None
+        layers: int | None
         try:
             expected, layers = model_limits(model), model_layers(model)
         except CoralError:
@@ -362,6 +449,7 @@ class Coordinator:
                 r.deaths += 1
                 self._retry_or_fail(r, problem, now, {inst.name})
         inst.requests.clear()
+        self._unhold_all(inst.name)
 
     def _heartbeat(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         inst.stages = _stages(h.get("stages", inst.stages))
@@ -387,12 +475,13 @@ class Coordinator:
 
     def _left(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         log.info("instance %s left", inst.name)
+        self._unhold_all(inst.name)
         del self.instances[inst.name]
         self.departed.append(inst.name)
         for rid in list(inst.requests):
             self._attempt_failed(inst, {"rid": rid, "problem": f"instance {inst.name} left"}, now)
 
-    def _candidates(self, model: str, exclude: set[str] = frozenset()) -> list[Candidate]:
+    def _candidates(self, model: str, exclude: Set[str] = frozenset()) -> list[Candidate]:
         """The model's ready instances as the routing policy sees them (weight: the share of demand the plan gave),
         but those in `exclude`."""
         return [Candidate(i.name, i.model, i.phase, i.region, i.weight) for i in self.instances.values()
@@ -404,13 +493,16 @@ class Coordinator:
             if inst.state != "lost" and now - inst.last_seen > t.dead_after_s:
                 self._lose(inst, f"instance {inst.name} scheduler silent for {now - inst.last_seen:.1f} s", now)
         for r in list(self.requests.values()):
+            if self.requests.get(r.rid) is not r:
+                continue  # a retry before it started or failed it (`_pump`)
             if now > r.deadline:
                 self._finish_error(r, f"request ran past its deadline of {r.deadline - r.created:g} s.",
                                    "send a shorter request, or a longer timeout_s", 504, type="timeout")
-            elif now - r.last_progress > (limit_s := self._progress_limit_s(r)):
+            elif r.rid not in self.queue and now - r.last_progress > (limit_s := self._progress_limit_s(r)):
                 names = ", ".join(r.instances.values()) or "none"
                 self._retry_or_fail(r, f"no progress for {limit_s:g} s on instance(s) {names}", now,
                                     set(r.instances.values()))
+        self._pump(now)
 
     def _progress_limit_s(self, r: _Request) -> float:
         """How long `r` may go without progress: `request_timeout_s`, or longer where its instance holds more work
@@ -470,7 +562,8 @@ class Coordinator:
                                f"({self.admission.limits(model)}).", f"retry after {wait_s:.1f} s",
                                429, type="rate_limited", retry_after_s=wait_s)
             return
-        self._dispatch(r, now)
+        self.queue.add(r.rid, model, len(prompt))
+        self._pump(now)
 
     def _models(self) -> list[str]:
         return sorted(set(self.cfg.models) | {i.model for i in self.instances.values()})
@@ -482,17 +575,19 @@ class Coordinator:
         r.last_progress = now
         prompt = r.prompt + r.out
         left = r.max_tokens - len(r.out)
-        route = self.routing.route(r.model, self._candidates(r.model, r.failed_on))
+        route = self.routing.route(r.model, self._candidates(r.model, r.failed_on | self._full(r.model, len(prompt))))
         entry, second = route or (None, None)
-        if second is not None:
-            prefill, decode = self.instances[entry.key], self.instances[second.key]
+        if entry is not None:
+            self._hold(r, self._instance_of(entry), len(prompt))
+        if entry is not None and second is not None:
+            prefill, decode = self._instance_of(entry), self._instance_of(second)
             r.instances = {"prefill": prefill.name, "decode": decode.name}
             msg = {"kind": "decode", "rid": r.rid, "prompt_len": len(prompt), "max_tokens": left,
                    "ignore_eos": r.ignore_eos, "sampling": r.sampling}
             self._send(decode, r, msg)
             r.history.append(f"{prefill.name}->{decode.name}")
         elif entry is not None and entry.phase == "aggregated":
-            aggregated = self.instances[entry.key]
+            aggregated = self._instance_of(entry)
             r.instances = {"aggregated": aggregated.name}
             self._send(aggregated, r, {"kind": "generate", "rid": r.rid, "tokens": prompt, "max_tokens": left,
                                        "ignore_eos": r.ignore_eos, "sampling": r.sampling})
@@ -505,11 +600,64 @@ class Coordinator:
             return
         self._event(r, {"kind": "accepted", "instances": dict(r.instances), "attempt": r.attempts})
 
+    def _full(self, model: str, tokens: int) -> set[str]:
+        """The instances of `model` that prefill (aggregated or prefill ones) with no room for `tokens` more."""
+        return {i.name for i in self.instances.values() if i.model == model and i.phase != "decode"
+                and not prefill_fits(i.prefill_tokens, tokens, i.prefill_budget_tokens())}
+
+    def _start(self, r: _Request, now: float) -> bool:
+        """Dispatch queued `r` where its prompt fits (False: it waits for room); one no instance could ever take
+        fails as dispatching it does."""
+        if self._routable(r.model, r.failed_on) and not self._routable(
+                r.model, r.failed_on | self._full(r.model, len(r.prompt) + len(r.out))):
+            return False
+        self._dispatch(r, now)
+        return True
+
+    def _pump(self, now: float) -> None:
+        """Start what the queue lets start; tell a request left waiting so (again each `request_timeout_s`, so a
+        client waiting on it knows the coordinator still holds it)."""
+        if not len(self.queue):
+            return
+        self.queue.pump(lambda rid: rid not in self.requests or self._start(self.requests[rid], now))
+        for ahead, rid in enumerate(self.queue):
+            r = self.requests[rid]
+            if now - r.told_queued >= self.cfg.timing.request_timeout_s:
+                r.told_queued = now
+                self._event(r, {"kind": "accepted", "instances": {}, "attempt": r.attempts, "queued": ahead})
+
+    def _hold(self, r: _Request, inst: _Instance, tokens: int) -> None:
+        r.prefill_on, r.prefill_held = inst.name, tokens
+        inst.prefill_tokens += tokens
+
+    def _unhold(self, r: _Request) -> None:
+        """`r`'s prompt no longer counts against its instance: its first token came, or its attempt ended."""
+        inst = self.instances.get(r.prefill_on)
+        if inst is not None:
+            inst.prefill_tokens -= r.prefill_held
+        r.prefill_on, r.prefill_held = "", 0
+
+    def _unhold_all(self, name: str) -> None:
+        """Nothing counts against instance `name` any more (it is lost or left; one registered under its name
+        starts from nothing)."""
+        for r in self.requests.values():
+            if r.prefill_on == name:
+                self._unhold(r)
+
+    def _instance_of(self, candidate: Candidate) -> _Instance:
+        """The instance a routing candidate stands for (`_candidates` keys each by its instance's name)."""
+        name = candidate.key
+        if not isinstance(name, str):
+            raise TypeError(f"routing candidate key {name!r} is not an instance name")
+        return self.instances[name]
+
     def _send(self, inst: _Instance, r: _Request, msg: dict[str, Any]) -> None:
         inst.requests.add(r.rid)
         wire.send(self.router, msg, to=inst.ident)
 
     def _release(self, r: _Request, cancel: bool) -> None:
+        self.queue.discard(r.rid)
+        self._unhold(r)
         for name in r.instances.values():
             inst = self.instances.get(name)
             if inst is not None:
@@ -521,6 +669,7 @@ class Coordinator:
     def _emit_token(self, r: _Request, token: int, now: float, logprobs: Any = None) -> None:
         r.out.append(token)
         r.last_progress = now
+        self._unhold(r)
         self._event(r, {"kind": "token", "token": token, "text": self.tokenizer.decode_token(token),
                         "index": len(r.out) - 1, **({"logprobs": logprobs} if logprobs is not None else {})})
 
@@ -613,7 +762,7 @@ class Coordinator:
                 r.deaths += 1
             self._retry_or_fail(r, problem, now, {inst.name})
 
-    def _retry_or_fail(self, r: _Request, problem: str, now: float, culprits: set[str] = frozenset()) -> None:
+    def _retry_or_fail(self, r: _Request, problem: str, now: float, culprits: Set[str] = frozenset()) -> None:
         """Resume `r` on an instance it has not failed on, while retries are left; else fail it alone."""
         log.warning("request %s attempt %d failed: %s", r.rid, r.attempts, problem)
         r.failed_on |= culprits
@@ -624,7 +773,8 @@ class Coordinator:
             return
         if r.attempts <= self.cfg.max_retries and r.deaths < MAX_DEATHS and self._routable(r.model, r.failed_on):
             self.counts["retried"] += 1
-            self._dispatch(r, now)
+            self.queue.add(r.rid, r.model, len(r.prompt) + len(r.out), first=True)
+            self._pump(now)
             return
         tried = f" after {r.attempts} attempt(s) on {', '.join(r.history)}" if r.attempts > 1 else ""
         why = (f"; it was in flight on {r.deaths} instances that died, so it is not tried on another"
@@ -668,7 +818,7 @@ class Coordinator:
         log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
         wire.send(sock, {"kind": "admitted", "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
 
-    def _routable(self, model: str, exclude: set[str] = frozenset()) -> bool:
+    def _routable(self, model: str, exclude: Set[str] = frozenset()) -> bool:
         """Whether `_dispatch` would start a request for `model` now (on none of `exclude`): an aggregated instance,
         or a prefill instance with a decode instance to hand over to (a prefill alone cannot finish a request)."""
         candidates = self._candidates(model, exclude)
@@ -682,12 +832,13 @@ class Coordinator:
     def status(self) -> dict[str, Any]:
         context = {m: (self._limits(m) or ModelLimits(1)).max_context for m in self._models()}
         return {"models": self._models(), "serving": self._serving(), "counts": dict(self.counts),
-                "in_flight": len(self.requests), "context": context,
+                "in_flight": len(self.requests), "queued": len(self.queue), "context": context,
                 "departed": list(self.departed), "admit": self.admit_text,
                 "degraded": sorted(i.name for i in self.instances.values() if self._degraded(i)),
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
                                "progress": "degraded" if self._degraded(i) else "ok",
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),
+                               "prefill_tokens": i.prefill_tokens,
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}
 
     def _status(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:

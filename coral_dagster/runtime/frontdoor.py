@@ -366,6 +366,7 @@ class _App:
                  "max_model_len": status.get("context", {}).get(m)} for m in status["serving"]]})
         elif path == "/metrics":
             self.metrics.queue_depth.set(status.get("in_flight", 0))
+            self.metrics.queued.set(status.get("queued", 0))
             on_instances: dict[str, int] = {m: 0 for m in status["models"]}
             for inst in status.get("instances", []):
                 on_instances[inst["model"]] = on_instances.get(inst["model"], 0) + int(inst.get("in_flight", 0))

@@ -56,8 +56,8 @@ class VllmMetrics:
 
 
 class Metrics:
-    """Counters and histograms the front door updates per request; `queue_depth` is set from the coordinator's
-    status at each scrape."""
+    """Counters and histograms the front door updates per request; `queue_depth` and `queued` are set from the
+    coordinator's status at each scrape."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -79,6 +79,8 @@ class Metrics:
                                  registry=r)
         self.queue_depth = Gauge("coral_queue_depth", "Requests the coordinator holds, in flight on its instances",
                                  registry=r)
+        self.queued = Gauge("coral_requests_queued", "Requests the coordinator holds until an instance has room for "
+                            "their prompts' prefill (counted in coral_queue_depth too)", registry=r)
         self.vllm = VllmMetrics(r)
 
     def answered(self, route: str, status: int) -> None:
