@@ -11,12 +11,12 @@ from pathlib import Path
 import dagster as dg
 from dagster._core.errors import DagsterAssetCheckFailedError
 
-from assets import automation, catalog, deployment, market, planning, profiling, simulation, templates
+from assets import automation, catalog, day, deployment, market, planning, profiling, simulation, templates
 from coral_dagster.errors import CoralError
 from coral_dagster.paths import REPO_ROOT, default_db_path
 from resources import BundledMarketFeed, CoralDuckDB, CoralScenario, SkyPilotLauncher, SolverSettings
 
-ASSET_MODULES = [catalog, market, profiling, templates, planning, simulation, deployment]
+ASSET_MODULES = [catalog, market, profiling, templates, planning, simulation, deployment, day]
 
 
 def _database() -> str | dg.EnvVar:

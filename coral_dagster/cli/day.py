@@ -28,13 +28,16 @@ COLUMNS = ["window", "start_min", "demand_tokens_per_s", "served_share", "worst_
 @click.option("--sizing", type=click.Choice(("forecast", "window")), default="forecast", show_default=True,
               help="What each re-plan sizes capacity for: forecast (the last hour's peak rate carried along the "
                    "day's shape until what it launches is up) or window (the window's own rates, a snapshot plan).")
+@click.option("--keep-segments", is_flag=True, default=False,
+              help="Also store each window's serving inputs (plan, segments, rates) in day_segments, to serve the "
+                   "windows request by request apart, in parallel, as the day_window_served asset's partitions.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None,
               help="Write the timeline (demand, capacity, cost, attainment) to this PNG file.")
 @db_option
 @prices_path_option
 @json_option
 def cli(scenario: str, hours: float, method: str, failure_rate: float, seed: int, serve: str, sizing: str,
-        plot: str | None, db_path: str | None, prices_path: str | None, as_json: bool) -> None:
+        keep_segments: bool, plot: str | None, db_path: str | None, prices_path: str | None, as_json: bool) -> None:
     """Re-plan, launch and serve through a day in simulated time: per window the sensor's decision, the re-plan
     from the running plan, the reconciler on a simulated cloud (capacity per the market series, start-up time,
     failover) and the traffic served. The run and its windows are stored (`day_runs`, `day_windows`)."""
@@ -46,7 +49,7 @@ def cli(scenario: str, hours: float, method: str, failure_rate: float, seed: int
     with Progress(transient=True, disable=as_json) as bar:
         task = bar.add_task(f"{method} through the day", total=None)
         result = run_day(scenario, method, hours=hours, db_path=db_path, failure_rate=failure_rate, seed=seed,
-                         serve=serve, sizing=sizing, prices_path=prices_path,
+                         serve=serve, sizing=sizing, prices_path=prices_path, keep_segments=keep_segments,
                          progress=lambda row: bar.update(task, advance=1, description=f"{method} window {row.window}"))
     if plot:
         write_timeline([result], plot)

@@ -37,6 +37,7 @@ from coral_dagster.day.cloud import SimCloud, SimDrainer
 from coral_dagster.day.serve import SERVE_MODES, Segment, WindowServing, serve_window
 from coral_dagster.day.shape import (SIZINGS, availability_window, day_spec, drain_s, forecast_rates, lookback_windows,
                                      raw_demand, startup_s, window_count, window_rates)
+from coral_dagster.day.windows import WindowInputs
 from coral_dagster.deploy import state
 from coral_dagster.deploy.reconcile import reconcile
 from coral_dagster.errors import UnknownNameError
@@ -160,9 +161,12 @@ class DayLoop:
     # "forecast": re-plans size for the last hour's peak carried along the day's shape until launches are up;
     # "window": for the window's own rates (`shape.SIZINGS`).
     sizing: str = "forecast"
+    # Keep every window's serving inputs (plan, segments, rates) in `kept`, to serve the windows apart later.
+    keep_segments: bool = False
     instances: dict[str, _Instance] = field(default_factory=dict)
     adopted: list[Plan] = field(default_factory=list)
     served: list[WindowServing] = field(default_factory=list)
+    kept: list[WindowInputs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.serve_mode not in SERVE_MODES:
@@ -331,6 +335,8 @@ class DayLoop:
                                                 for (_, region), (t, n, usd) in sorted(up.items())),
                                     {k: cap.get(k, 0.0) / v for k, v in planned.items() if v > 0}))
         tokens = {m: need.get((m, "prefill"), 0.0) + need.get((m, "decode"), 0.0) for m in rates}
+        if self.keep_segments:
+            self.kept.append(WindowInputs(w, plan, tuple(segments), dict(rates), self.seed))
         if self.serve_mode == "requests":
             serving = serve_window(self.scenario, plan, segments, rates, seed=self.seed, window=w)
             self.served.append(serving if self.keep_runs else replace(serving, runs=()))

@@ -19,6 +19,7 @@ from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.day.loop import DayLoop, DayResult, WindowRow
 from coral_dagster.day.serve import SERVE_MODES
 from coral_dagster.day.shape import SIZINGS, peak_rates, window_count
+from coral_dagster.day.windows import WindowInputs, write_inputs
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.highs import DEFAULT_MAX_NODES
 from coral_dagster.store import Store
@@ -48,13 +49,14 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
             failure_rate: float = 0.0, seed: int = 0, time_limit_s: float | None = None,
             templates: Sequence[Template] | None = None, store_result: bool = True,
             progress: Callable[[WindowRow], None] | None = None, serve: str = "fluid",
-            sizing: str = "forecast", prices_path: str | None = None) -> DayResult:
+            sizing: str = "forecast", prices_path: str | None = None, keep_segments: bool = False) -> DayResult:
     """Simulate `hours` of the scenario's day with `method` (`static-peak`: Coral's plan for the day's peak rates,
     run all day); the reconciler's records go to a scratch DuckDB file (never the store's own deployment), the
     result to the store's `day_runs` and `day_windows` in one transaction. `serve`: "fluid" estimates each window's
     serving from the capacity up; "requests" serves its traffic request by request (`day.serve`), slower.
     `sizing`: what each re-plan sizes for (`shape.SIZINGS`): a forecast over the start-up lead, or the window.
-    `prices_path`: a price file (`--prices`) to plan and bill with instead of the bundled rows."""
+    `prices_path`: a price file (`--prices`) to plan and bill with instead of the bundled rows. `keep_segments`:
+    store each window's serving inputs too (`day_segments`, `day.windows`), to serve the windows apart later."""
     if method not in DAY_METHODS:
         raise UnknownNameError("day method", method, DAY_METHODS)
     if serve not in SERVE_MODES:
@@ -83,18 +85,20 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
         loop = DayLoop(scn, method, planner, Store(Path(scratch) / "deployment.duckdb"),
                        load_node_prices() if prices is None else prices,
                        static_rates=peak_rates(scn, window_count(scn, hours)) if static else None,
-                       failure_rate=failure_rate, seed=seed, serve_mode=serve, sizing=sizing)
+                       failure_rate=failure_rate, seed=seed, serve_mode=serve, sizing=sizing,
+                       keep_segments=keep_segments)
         try:
             result = loop.run(hours, progress)
         finally:
             quiet.setLevel(level)
     if store_result:
-        store_day(Store(db_path), scn, result)
+        store_day(Store(db_path), scn, result, loop.kept)
     return result
 
 
-def store_day(store: Store, scenario: Scenario, result: DayResult) -> str:
-    """Append one day's run and its windows (one transaction); returns the run id."""
+def store_day(store: Store, scenario: Scenario, result: DayResult, kept: Sequence[WindowInputs] = ()) -> str:
+    """Append one day's run, its windows and the serving inputs `kept` of them (one transaction); returns the run
+    id."""
     run_id = uuid.uuid4().hex[:12]
     summary = result.as_dict()
     run = pd.DataFrame([{"run_id": run_id, "scenario": scenario.name, "scenario_key": scenario.scenario_key,
@@ -110,6 +114,7 @@ def store_day(store: Store, scenario: Scenario, result: DayResult) -> str:
     with store.transaction() as con:
         write_frame(con, "day_runs", run)
         write_frame(con, "day_windows", windows)
+        write_inputs(con, run_id, kept)
     return run_id
 
 
