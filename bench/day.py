@@ -1,10 +1,11 @@
 """Coral through a day: each method re-plans, launches and serves a scenario's day (`coral day`), side by side.
 
 Run: `python -m bench.day [--scenarios core,extended,large] [--hours 24] [--methods coral,homo-ilp,cauchy,static-peak]
-[--scale extended=0.2] [--no-bursts] [--peak-to-trough R] [--sizing forecast|window] [--serve fluid|requests]
-[--db PATH]`; the store must hold each scenario's
-template library (`coral templates build --scenario NAME`). `--scale NAME=F` runs scenario NAME at F × its request
-rates (e.g. extended at a demand its market can serve most of the day); `--no-bursts` keeps the diurnal shape alone;
+[--scale extended=0.2] [--no-bursts] [--steady-supply] [--peak-to-trough R] [--sizing forecast|window]
+[--serve fluid|requests] [--db PATH]`; the store must hold each scenario's template library
+(`coral templates build --scenario NAME`). `--scale NAME=F` runs scenario NAME at F × its request rates (e.g.
+extended at a demand its market can serve most of the day); `--no-bursts` keeps the diurnal shape alone;
+`--steady-supply` drops the availability series (every window sees the market profile: no scarcity cycle);
 `--peak-to-trough R` replaces the day's diurnal ratio (DAY.md §2's assumption) to show which way the result moves;
 `--serve requests` serves each window request by request in the simulator (`coral day --serve`) instead of the fluid
 estimate. Each row carries `demand_peak_over_mean`, the most any re-planning method can save against static-peak
@@ -84,6 +85,7 @@ def headline(rows: list[dict], bursts: bool = True) -> list[dict]:
         ratio = best["usd_per_million_slo_tokens"] / coral["usd_per_million_slo_tokens"]
         how = "".join((", no bursts" if not bursts else "",
                        f", peak-to-trough {coral['peak_to_trough']:g}" if coral.get("peak_to_trough") != 2.0 else "",
+                       ", steady supply" if coral.get("steady_supply") else "",
                        ", served request by request" if coral.get("serve_mode") == "requests" else ""))
         out.append({"figure": f"{name}, {coral['hours']:g} h day{how}: best baseline ({best['method']}) ÷ Coral, "
                               "$ per million SLO-met tokens",
@@ -103,6 +105,8 @@ def main() -> None:
     ap.add_argument("--scale", default="extended=0.2", help="NAME=FACTOR,...: request rates × FACTOR")
     ap.add_argument("--no-bursts", action="store_true",
                     help="windows follow the diurnal shape only, not their traces' bursts (DAY.md §2)")
+    ap.add_argument("--steady-supply", action="store_true",
+                    help="availability stays at the market profile all day (no series: MARKET.md §5's cycle off)")
     ap.add_argument("--peak-to-trough", type=float, default=None,
                     help="the diurnal peak-to-trough ratio instead of each scenario's (DAY.md §2's assumption)")
     ap.add_argument("--sizing", choices=("forecast", "window"), default="forecast",
@@ -119,6 +123,8 @@ def main() -> None:
         scn = scaled(load_scenario(name), scales.get(name, 1.0))
         if args.no_bursts:
             scn = replace(scn, day=replace(day_spec(scn), bursts=False))
+        if args.steady_supply:
+            scn = replace(scn, availability_model=replace(scn.availability_model, series=None))
         if args.peak_to_trough is not None:
             scn = replace(scn, day=replace(day_spec(scn), peak_to_trough=args.peak_to_trough, hourly=()))
         bound = peak_over_mean(scn, args.hours)
@@ -131,6 +137,7 @@ def main() -> None:
             wall_s = time.perf_counter() - started
             rows.append(summary(res, limit) | {"rate_scale": scales.get(name, 1.0), "serve_mode": args.serve,
                                                "sizing": args.sizing, "peak_to_trough": day_spec(scn).peak_to_trough,
+                                               "steady_supply": args.steady_supply,
                                                "demand_peak_over_mean": bound,
                                                "wall_s": wall_s, "wall_s_per_window": wall_s / len(res.windows)})
             results.setdefault(name, []).append(res)
