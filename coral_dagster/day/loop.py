@@ -44,6 +44,7 @@ from coral_dagster.errors import UnknownNameError
 from coral_dagster.reallocation import PlanState, decide_replan
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Template
+from coral_dagster.vocab import DEMAND_PHASES
 
 # A (region, node) the cloud refused is re-planned around at most this many times per window.
 MAX_FAILOVERS = 3
@@ -299,14 +300,14 @@ class DayLoop:
         ppo = {m.model: trace_stats(m.trace).prompt_per_output for m in self.scenario.models}
         planned: dict[tuple[str, str], float] = {}
         for pi in plan.instances:
-            for phase in ("prefill", "decode"):
+            for phase in DEMAND_PHASES:
                 key = (pi.template.model, phase)
                 planned[key] = planned.get(key, 0.0) + pi.count * _contribution(pi.template, phase, ppo)
         # What admission admits: the share of this window's demand, sized by the capacity rule as the plan was,
         # that the plan's capacity carries (`with_admission`); a plan kept from another window is held to today's.
         factors = capacity_factors(self.scenario, rates)
         admitted = {m: min([1.0] + [planned.get((m, p), 0.0) / (d * factors.get((m, p), 1.0))
-                                    for p in ("prefill", "decode") if (d := need.get((m, p), 0.0)) > 0])
+                                    for p in DEMAND_PHASES if (d := need.get((m, p), 0.0)) > 0])
                     for m in rates}
         # What the admitted traffic needs up to hold its target: the capacity rule's size for the window's demand,
         # or all the plan has where that is less (a plan sized ahead carries more than the window needs).
@@ -321,14 +322,14 @@ class DayLoop:
             up: dict[tuple[str, str], tuple[Template, int, float]] = {}
             for i in self.instances.values():
                 if i.ready_s <= a and i.serve_until_s >= b:
-                    for phase in ("prefill", "decode"):
+                    for phase in DEMAND_PHASES:
                         key = (i.template.model, phase)
                         cap[key] = cap.get(key, 0.0) + _contribution(i.template, phase, ppo)
                     held = up.get((i.template.template_id, i.region))
                     up[(i.template.template_id, i.region)] = (i.template, (held[1] if held else 0) + 1,
                                                               i.usd_per_hour)
             for m in rates:
-                keys = [(m, p) for p in ("prefill", "decode") if required.get((m, p), 0) > 0]
+                keys = [(m, p) for p in DEMAND_PHASES if required.get((m, p), 0) > 0]
                 up_share[m] += (b - a) * min([1.0] + [cap.get(k, 0.0) / required[k] for k in keys])
             capacity_end = sum(cap.values())
             segments.append(Segment(a, b, tuple(PlannedInstance(t, region, n, usd)

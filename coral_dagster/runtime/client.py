@@ -67,14 +67,14 @@ class Client:
                max_tokens: int = 16, ignore_eos: bool = False, sampling: SamplingParams | None = None) -> str:
         """Send one request (greedy unless `sampling`); returns its tag."""
         tag = self._tag()
-        header = {"kind": "submit", "tag": tag, "model": model, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
+        header = {"kind": Kind.SUBMIT, "tag": tag, "model": model, "max_tokens": max_tokens, "ignore_eos": ignore_eos,
                   "sampling": sampling.message() if sampling else None}
         header.update({"prompt_tokens": list(prompt_tokens)} if prompt_tokens is not None else {"prompt": prompt})
         wire.send(self.sock, header, block=True)
         return tag
 
     def cancel(self, rid: str) -> None:
-        wire.send(self.sock, {"kind": "cancel", "rid": rid}, block=True)
+        wire.send(self.sock, {"kind": Kind.CANCEL, "rid": rid}, block=True)
 
     def events(self, tags: list[str], timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
         """Events of the requests `tags` as they arrive, until each has its `done` or `error`."""
@@ -109,14 +109,14 @@ class Client:
         return self.next_event({tag}, timeout_s)
 
     def status(self) -> dict[str, Any]:
-        return self.call({"kind": "status"})
+        return self.call({"kind": Kind.STATUS})
 
     def drain(self, instance: str) -> dict[str, Any]:
-        return self.call({"kind": "drain", "instance": instance})
+        return self.call({"kind": Kind.DRAIN, "instance": instance})
 
     def admit(self, text: str) -> dict[str, Any]:
         """Set the coordinator's admission limits (`--admit` text; empty admits everything)."""
-        return self.call({"kind": "admit", "admit": text})
+        return self.call({"kind": Kind.ADMIT, "admit": text})
 
     def wait_ready(self, n_instances: int, timeout_s: float) -> dict[str, Any]:
         """Poll status until `n_instances` instances are ready; raises with the last status when time runs out."""

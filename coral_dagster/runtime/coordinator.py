@@ -345,7 +345,7 @@ class Coordinator:
 
     def _refuse(self, ident: bytes, name: str, problem: str) -> None:
         log.warning("refused instance %s: %s", name, problem)
-        wire.send(self.router, {"kind": "refused", "problem": problem}, to=ident)
+        wire.send(self.router, {"kind": Kind.REFUSED, "problem": problem}, to=ident)
 
     def _proven(self, ident: bytes, name: str, incarnation: str, answer: str | None) -> bool:
         """Whether the registration answers its connection's nonce with a proof of the instance's credential; else
@@ -394,7 +394,7 @@ class Coordinator:
         incarnation = str(h.get("incarnation", ""))
         if self.registration_key and not self._proven(ident, name, incarnation, h.get("proof")):
             return
-        if old is not None and old.ident != ident and wire.send(self.router, {"kind": "ack"}, to=old.ident):
+        if old is not None and old.ident != ident and wire.send(self.router, {"kind": Kind.ACK}, to=old.ident):
             self._refuse(ident, name, f"instance {name} is registered and its connection is alive")
             return
         if len(name) > MAX_NAME_CHARS or (old is None and len(self.instances) >= MAX_INSTANCES):
@@ -418,7 +418,7 @@ class Coordinator:
                          limits=limits, incarnation=incarnation, prefill_tokens=old.prefill_tokens if old else 0)
         self.instances[name] = inst
         log.info("instance %s (%s %s, %g tok/s) registered", name, inst.model, inst.phase, inst.tokens_per_s)
-        wire.send(self.router, {"kind": "registered"}, to=ident)
+        wire.send(self.router, {"kind": Kind.REGISTERED}, to=ident)
 
     def _metadata_mismatch(self, model: str, limits: ModelLimits | None, split: Any) -> str:
         """Why an instance's announced vocabulary, context or layers disagree with the model's own (the catalog's,
@@ -463,7 +463,7 @@ class Coordinator:
                 r.last_progress = now
         if inst.state == "lost":
             inst.state = "ready" if h.get("healthy") else "unhealthy"
-        wire.send(self.router, {"kind": "ack"}, to=inst.ident)
+        wire.send(self.router, {"kind": Kind.ACK}, to=inst.ident)
 
     def _health(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         if inst.state != "draining":
@@ -582,14 +582,14 @@ class Coordinator:
         if entry is not None and second is not None:
             prefill, decode = self._instance_of(entry), self._instance_of(second)
             r.instances = {"prefill": prefill.name, "decode": decode.name}
-            msg = {"kind": "decode", "rid": r.rid, "prompt_len": len(prompt), "max_tokens": left,
+            msg = {"kind": Kind.DECODE, "rid": r.rid, "prompt_len": len(prompt), "max_tokens": left,
                    "ignore_eos": r.ignore_eos, "sampling": r.sampling}
             self._send(decode, r, msg)
             r.history.append(f"{prefill.name}->{decode.name}")
         elif entry is not None and entry.phase == "aggregated":
             aggregated = self._instance_of(entry)
             r.instances = {"aggregated": aggregated.name}
-            self._send(aggregated, r, {"kind": "generate", "rid": r.rid, "tokens": prompt, "max_tokens": left,
+            self._send(aggregated, r, {"kind": Kind.GENERATE, "rid": r.rid, "tokens": prompt, "max_tokens": left,
                                        "ignore_eos": r.ignore_eos, "sampling": r.sampling})
             r.history.append(aggregated.name)
         else:
@@ -598,7 +598,7 @@ class Coordinator:
                    if r.model in known else f"ask for one of: {', '.join(known) or 'none registered yet'}")
             self._finish_error(r, f"no ready instance serves model {r.model!r}", fix, 503 if r.model in known else 404)
             return
-        self._event(r, {"kind": "accepted", "instances": dict(r.instances), "attempt": r.attempts})
+        self._event(r, {"kind": Kind.ACCEPTED, "instances": dict(r.instances), "attempt": r.attempts})
 
     def _full(self, model: str, tokens: int) -> set[str]:
         """The instances of `model` that prefill (aggregated or prefill ones) with no room for `tokens` more."""
@@ -624,7 +624,7 @@ class Coordinator:
             r = self.requests[rid]
             if now - r.told_queued >= self.cfg.timing.request_timeout_s:
                 r.told_queued = now
-                self._event(r, {"kind": "accepted", "instances": {}, "attempt": r.attempts, "queued": ahead})
+                self._event(r, {"kind": Kind.ACCEPTED, "instances": {}, "attempt": r.attempts, "queued": ahead})
 
     def _hold(self, r: _Request, inst: _Instance, tokens: int) -> None:
         r.prefill_on, r.prefill_held = inst.name, tokens
@@ -663,14 +663,14 @@ class Coordinator:
             if inst is not None:
                 inst.requests.discard(r.rid)
                 if cancel:
-                    wire.send(self.router, {"kind": "cancel", "rid": r.rid}, to=inst.ident)
+                    wire.send(self.router, {"kind": Kind.CANCEL, "rid": r.rid}, to=inst.ident)
         r.instances = {}
 
     def _emit_token(self, r: _Request, token: int, now: float, logprobs: Any = None) -> None:
         r.out.append(token)
         r.last_progress = now
         self._unhold(r)
-        self._event(r, {"kind": "token", "token": token, "text": self.tokenizer.decode_token(token),
+        self._event(r, {"kind": Kind.TOKEN, "token": token, "text": self.tokenizer.decode_token(token),
                         "index": len(r.out) - 1, **({"logprobs": logprobs} if logprobs is not None else {})})
 
     def _finish(self, r: _Request, reason: str) -> None:
@@ -680,7 +680,7 @@ class Coordinator:
         self._release(r, cancel=False)
         self.requests.pop(r.rid, None)
         self.counts["completed"] += 1
-        self._event(r, {"kind": "done", "finish_reason": reason, "tokens": r.out,
+        self._event(r, {"kind": Kind.DONE, "finish_reason": reason, "tokens": r.out,
                         "text": self.tokenizer.decode(r.out), "prompt_tokens": len(r.prompt),
                         "instances": r.history, "attempts": r.attempts})
 
@@ -689,7 +689,7 @@ class Coordinator:
         self._release(r, cancel=True)
         self.requests.pop(r.rid, None)
         self.counts["failed"] += 1
-        self._event(r, {"kind": "error", "problem": problem, "fix": fix, "status": status, "tokens": r.out,
+        self._event(r, {"kind": Kind.ERROR, "problem": problem, "fix": fix, "status": status, "tokens": r.out,
                         "instances": r.history, **extra})
 
     def _owned(self, inst: _Instance, h: dict[str, Any]) -> _Request | None:
@@ -715,7 +715,7 @@ class Coordinator:
             self._retry_or_fail(r, f"prefill instance {r.instances.get('prefill')} went away", now)
             return
         r.last_progress = now
-        self._send(prefill, r, {"kind": "prefill", "rid": r.rid, "tokens": r.prompt + r.out,
+        self._send(prefill, r, {"kind": Kind.PREFILL, "rid": r.rid, "tokens": r.prompt + r.out,
                                 "handoff": h["route"], "max_tokens": 1, "sampling": r.sampling})
 
     def _prefilled(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
@@ -738,14 +738,14 @@ class Coordinator:
         elif decode is None:
             self._retry_or_fail(r, f"decode instance {r.instances.get('decode')} went away", now)
         else:
-            msg = {"kind": "first_token", "rid": r.rid, "token": token}
+            msg = {"kind": Kind.FIRST_TOKEN, "rid": r.rid, "token": token}
             if "kv_transfer_params" in h:
                 # A vLLM prefill: the vLLM decode runs the prompt and this token, its connector loading the KV.
                 msg.update(tokens=r.prompt + r.out, kv_transfer_params=h["kv_transfer_params"])
             wire.send(self.router, msg, to=decode.ident)
 
     def _finish_pd_early(self, r: _Request, decode: _Instance, reason: str) -> None:
-        wire.send(self.router, {"kind": "cancel", "rid": r.rid}, to=decode.ident)
+        wire.send(self.router, {"kind": Kind.CANCEL, "rid": r.rid}, to=decode.ident)
         self._finish(r, reason)
 
     def _attempt_failed(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
@@ -795,13 +795,13 @@ class Coordinator:
         name = str(h["instance"])
         inst = self.instances.get(name)
         if inst is None:
-            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "status": 404,
+            wire.send(sock, {"kind": Kind.ERROR, "tag": h.get("tag"), "status": 404,
                              "problem": f"no instance {name!r}", "fix": f"use one of: {', '.join(self.instances)}"},
                       to=ident)
             return
         inst.state = "draining"
-        wire.send(self.router, {"kind": "drain"}, to=inst.ident)
-        wire.send(sock, {"kind": "draining", "tag": h.get("tag"), "instance": name, "in_flight": len(inst.requests)},
+        wire.send(self.router, {"kind": Kind.DRAIN}, to=inst.ident)
+        wire.send(sock, {"kind": Kind.DRAINING, "tag": h.get("tag"), "instance": name, "in_flight": len(inst.requests)},
                   to=ident)
 
     def _admit(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
@@ -810,13 +810,13 @@ class Coordinator:
         try:
             rates, depths, peaks = parse_admit(str(h.get("admit", "")))
         except CoralError as exc:
-            wire.send(sock, {"kind": "error", "tag": h.get("tag"), "status": 400, "problem": exc.problem,
+            wire.send(sock, {"kind": Kind.ERROR, "tag": h.get("tag"), "status": 400, "problem": exc.problem,
                              "fix": exc.fix}, to=ident)
             return
         self.admission = Admission(rates, depths, peaks)
         self.admit_text = format_admit(rates, depths, peaks)
         log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
-        wire.send(sock, {"kind": "admitted", "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
+        wire.send(sock, {"kind": Kind.ADMITTED, "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
 
     def _routable(self, model: str, exclude: Set[str] = frozenset()) -> bool:
         """Whether `_dispatch` would start a request for `model` now (on none of `exclude`): an aggregated instance,
@@ -842,7 +842,7 @@ class Coordinator:
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}
 
     def _status(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
-        wire.send(sock, {"kind": "status", "tag": h.get("tag"), **self.status()}, to=ident)
+        wire.send(sock, {"kind": Kind.STATUS, "tag": h.get("tag"), **self.status()}, to=ident)
 
     def close(self) -> None:
         if self.http is not None:

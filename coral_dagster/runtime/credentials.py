@@ -13,7 +13,7 @@ import secrets
 from collections.abc import Mapping
 
 from coral_dagster.errors import CoralError
-from coral_dagster.runtime.protocol import Env
+from coral_dagster.runtime.protocol import Env, Kind
 
 MIN_KEY_CHARS = 32
 
@@ -87,7 +87,7 @@ def verify(registration_key: str, nonce: str, instance: str, incarnation: str, a
 
 def command_proof(registration_key: str, nonce: str, command: Mapping[str, object]) -> str:
     """The proof of the registration key for a `drain` or `admit` command, bound to its kind and argument."""
-    argument = command["instance"] if command["kind"] == "drain" else command.get("admit", "")
+    argument = command["instance"] if command["kind"] == Kind.DRAIN else command.get("admit", "")
     return proof(registration_key, nonce, str(command["kind"]), str(argument))
 
 

@@ -39,6 +39,7 @@ from coral_dagster.runtime.openai_protocol import (ApiError, ApiRequest, Choice,
                                                    response, response_meta, tool_chunks, usage)
 from coral_dagster.runtime.openapi_models import (DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest,
                                                   coral_version, openapi_document, swagger_page)
+from coral_dagster.runtime.protocol import Kind
 from coral_dagster.runtime.sampling import TokenLogprobs
 from coral_dagster.runtime.tokenizer import BOS, N_BYTES, ByteTokenizer, apply_chat_template
 
@@ -302,13 +303,13 @@ class _App:
             await self._tokens(path, body, reply, link)
             return
         if path == "/admin/drain":
-            answer = await link.call({"kind": "drain", "instance": str(body.get("instance")
+            answer = await link.call({"kind": Kind.DRAIN, "instance": str(body.get("instance")
                                                                        if isinstance(body, dict) else None)})
-            if answer["kind"] == "error":
+            if answer["kind"] == Kind.ERROR:
                 raise error_event(answer)
             await reply.json(200, {"instance": answer["instance"], "in_flight": answer["in_flight"]})
             return
-        status = await link.call({"kind": "status"})
+        status = await link.call({"kind": Kind.STATUS})
         req = parse_request(body, "chat" if path == "/v1/chat/completions" else "completion",
                             status["serving"] or status["models"], status.get("context", {}))
         await self._generate(req, receive, reply, link)
@@ -323,7 +324,7 @@ class _App:
 
     async def _tokens(self, path: str, body: Any, reply: _Reply, link: _Link) -> None:
         """vLLM's `/tokenize` (a prompt, or messages through the chat template) and `/detokenize`."""
-        status = await link.call({"kind": "status"})
+        status = await link.call({"kind": Kind.STATUS})
         models = status["serving"] or status["models"]
         tokenizer = ByteTokenizer()
         if path == "/detokenize":
@@ -350,7 +351,7 @@ class _App:
                                if tok.return_token_strs else None})
 
     async def _get(self, path: str, reply: _Reply, link: _Link) -> None:
-        status = await link.call({"kind": "status"})
+        status = await link.call({"kind": Kind.STATUS})
         for key in ("kind", "tag"):
             status.pop(key, None)
         if path in ("/health", "/ping"):
@@ -392,7 +393,7 @@ class _App:
         # Every submit is answered at once with `accepted` or `error`: fail the whole request before any byte.
         first = {t: await link.next_event({t}) for t in tags}
         run.rids = {t: e.get("rid") for t, e in first.items()}
-        failed = [e for e in first.values() if e["kind"] == "error"]
+        failed = [e for e in first.values() if e["kind"] == Kind.ERROR]
         if failed:
             await _cancel(link, [r for t, r in run.rids.items() if first[t]["kind"] != "error"])
             raise error_event(failed[0])
@@ -456,16 +457,16 @@ class _App:
             e = await link.next_event(run.open)
             tag = e["tag"]
             c = run.choices[run.index[tag]]
-            if e["kind"] == "error":
+            if e["kind"] == Kind.ERROR:
                 run.open.discard(tag)
                 raise error_event(e)
-            if e["kind"] == "token":
+            if e["kind"] == Kind.TOKEN:
                 self._timed(run, tag)
                 piece = c.add(int(e["token"]), e["text"], TokenLogprobs.from_message(e.get("logprobs")))
                 if c.finish:
                     run.open.discard(tag)
                     await _cancel(link, [run.rids[tag]])
-            elif e["kind"] == "done":
+            elif e["kind"] == Kind.DONE:
                 run.open.discard(tag)
                 piece = c.done(e["finish_reason"])
             else:
@@ -595,7 +596,7 @@ async def _disconnected(receive: Receive) -> None:
 async def _cancel(link: _Link, rids: list[Any]) -> None:
     for rid in rids:
         if rid:
-            await link.sock.send_multipart(wire.pack({"kind": "cancel", "rid": rid}))
+            await link.sock.send_multipart(wire.pack({"kind": Kind.CANCEL, "rid": rid}))
 
 
 class _Protocol(H11Protocol):

@@ -86,7 +86,7 @@ class EngineNode(Generic[E]):
         s = self.s
         proof = ({"proof": credentials.node_proof(self.credential, nonce, s.stage, s.node, self.incarnation)}
                  if nonce is not None and self.credential else {})
-        self._to_scheduler({"kind": "hello", "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
+        self._to_scheduler({"kind": Kind.HELLO, "stage": s.stage, "start": s.start, "end": s.end, "share": s.share,
                             "data": self.address, "model": s.model, "engine": s.engine, "streams": self.streams,
                             "incarnation": self.incarnation, **proof})
 
@@ -106,7 +106,7 @@ class EngineNode(Generic[E]):
         self.engine.free(rid)
         self._pending.pop(rid, None)
         self._touched.pop(rid, None)
-        self._to_scheduler({"kind": "error", "rid": rid, "status": status, "problem": f"node {self.s.node} "
+        self._to_scheduler({"kind": Kind.ERROR, "rid": rid, "status": status, "problem": f"node {self.s.node} "
                             f"(stage {self.s.stage}, layers {self.s.start}:{self.s.end}): {problem}"})
 
     def run(self, stop: threading.Event | None = None) -> str:
@@ -300,7 +300,7 @@ class EngineNode(Generic[E]):
         if handoff:
             self._hand_over(step.rid, handoff)
         if out.token is not None:
-            self._to_scheduler({"kind": "token", "rid": step.rid, "token": out.token,
+            self._to_scheduler({"kind": Kind.TOKEN, "rid": step.rid, "token": out.token,
                                 "pos": step.pos + step.n_tokens,
                                 **({"logprobs": out.logprobs.message()} if out.logprobs else {})})
         elif out.hidden is not None:
@@ -320,7 +320,7 @@ class EngineNode(Generic[E]):
         if stage >= len(route):
             self._error(step.rid, f"route has {len(route)} stages but stage {stage} was asked for")
             return
-        header = {"kind": "forward", "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
+        header = {"kind": Kind.FORWARD, "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
                   "handoff": h.get("handoff"), "sampling": h.get("sampling")}
         if self.route_key:
             header["mac"] = credentials.step_mac(self.route_key, step.rid, step.pos, stage)
@@ -334,7 +334,7 @@ class EngineNode(Generic[E]):
             if lo >= hi:
                 continue
             arrays = self.engine.export_kv(rid, lo, hi)
-            header = {"kind": "kv", "rid": rid, "start": lo, "end": hi, **({"mac": str(mac[0])} if mac else {})}
+            header = {"kind": Kind.KV, "rid": rid, "start": lo, "end": hi, **({"mac": str(mac[0])} if mac else {})}
             if not wire.send(self.security.push(address), header, arrays):
                 self._error(rid, f"decode node at {address} is not accepting the KV handoff")
 
@@ -372,12 +372,12 @@ class _Pulse:
         sock.linger = 0
         try:
             n.security.connect(sock, n.s.scheduler)
-            beat = {"kind": "pulse", "node": n.s.node, "incarnation": n.incarnation}
+            beat = {"kind": Kind.PULSE, "node": n.s.node, "incarnation": n.incarnation}
             while True:
                 wire.send(sock, beat)
                 if self._stop.wait(n.s.timing.heartbeat_s):
                     return
-                if any(h["kind"] == "rehello" for _, h, _ in wire.drain(sock)):
+                if any(h["kind"] == Kind.REHELLO for _, h, _ in wire.drain(sock)):
                     self.unknown.set()
         finally:
             sock.close(linger=0)

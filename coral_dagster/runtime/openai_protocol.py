@@ -19,6 +19,7 @@ from pydantic import BaseModel
 from coral_dagster.runtime import structured, tools
 from coral_dagster.runtime.limits import RequestError, is_int, max_tokens_of
 from coral_dagster.runtime.openapi_models import ChatCompletionRequest, CompletionRequest
+from coral_dagster.runtime.protocol import Kind
 from coral_dagster.runtime.sampling import MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from coral_dagster.runtime.tokenizer import BOS, EOS, ByteTokenizer, apply_chat_template
 
@@ -110,7 +111,7 @@ class ApiRequest:
             for j in range(self.n):
                 sampling = SamplingParams(**{**self.sampling.message(), **known,
                                              "seed": (self.sampling.seed + j) % (1 << 63)})
-                out.append({"kind": "submit", "model": self.model, "max_tokens": self.max_tokens,
+                out.append({"kind": Kind.SUBMIT, "model": self.model, "max_tokens": self.max_tokens,
                             "ignore_eos": self.ignore_eos, "sampling": sampling.message(), **text})
         return out
 

@@ -164,7 +164,7 @@ class Scheduler:
 
     def _registration(self) -> dict[str, Any]:
         c = self.cfg
-        return {"kind": "register", "incarnation": self.incarnation, "model": c.model, "phase": c.phase,
+        return {"kind": Kind.REGISTER, "incarnation": self.incarnation, "model": c.model, "phase": c.phase,
                 "tokens_per_s": c.tokens_per_s,
                 "region": c.region, "weight": c.route_weight or c.tokens_per_s,
                 "split": list(c.split), "stages": self._stages(),
@@ -198,7 +198,7 @@ class Scheduler:
                 self._pump_prefill()
                 if self._drain.is_set() and self.draining_since is None:
                     self.draining_since = now
-                    self._to_coord({"kind": "draining"})
+                    self._to_coord({"kind": Kind.DRAINING})
                 if self.draining_since is not None and self._drained(now, self.draining_since):
                     return "drained"
                 if last_coord is not None and now - last_coord > t.orphan_after_s:
@@ -206,21 +206,21 @@ class Scheduler:
             return "stopped"
         finally:
             for n in self.nodes.values():
-                self._to_node(n.node, {"kind": "stop"})
+                self._to_node(n.node, {"kind": Kind.STOP})
             self.close()
 
     def _beat(self) -> None:
         if not self.registered and all(self._stage_ready()):
             self._to_coord(self._registration())
         now = time.monotonic()
-        self._to_coord({"kind": "heartbeat", "incarnation": self.incarnation, "healthy": self.healthy,
+        self._to_coord({"kind": Kind.HEARTBEAT, "incarnation": self.incarnation, "healthy": self.healthy,
                         "in_flight": len(self.requests), "draining": self.draining_since is not None,
                         "stages": self._stages(), "progressed": sorted(self._progressed),
                         "stalled_s": now - self._last_progress if self.requests else 0.0,
                         "progress_timeout_s": self._progress_timeout_s()})
         self._progressed.clear()
         for n in self.nodes.values():
-            self._to_node(n.node, {"kind": "ping"})
+            self._to_node(n.node, {"kind": Kind.PING})
 
     def _drained(self, now: float, draining_since: float) -> bool:
         if self.requests and now - draining_since < self.cfg.timing.drain_timeout_s:
@@ -228,7 +228,7 @@ class Scheduler:
         for rid in list(self.requests):
             self._fail(rid, f"instance {self.cfg.instance} left after a {self.cfg.timing.drain_timeout_s:g} s "
                        "drain timeout")
-        self._to_coord({"kind": "left"})
+        self._to_coord({"kind": Kind.LEFT})
         return True
 
     def _set_health(self) -> None:
@@ -244,7 +244,7 @@ class Scheduler:
             else:
                 log.warning("instance %s unhealthy: %s", self.cfg.instance, problem)
             if self.registered:
-                self._to_coord({"kind": "health", "healthy": healthy, "problem": problem})
+                self._to_coord({"kind": Kind.HEALTH, "healthy": healthy, "problem": problem})
 
     def _check_nodes(self, now: float) -> None:
         dead = [n for n in self.nodes.values() if now - n.last_seen > self.cfg.timing.dead_after_s]
@@ -289,7 +289,7 @@ class Scheduler:
         if r is None:
             return
         self._free(r)
-        self._to_coord({"kind": "error", "rid": rid, "problem": problem, "status": status})
+        self._to_coord({"kind": Kind.ERROR, "rid": rid, "problem": problem, "status": status})
 
     def _free(self, r: _Request) -> None:
         self._prefill_in_flight -= r.chunk_tokens
@@ -297,7 +297,7 @@ class Scheduler:
         by_address = {n.address: n.node for n in self.nodes.values()}
         for address in r.route:
             if address in by_address:
-                self._to_node(by_address[address], {"kind": "free", "rid": r.rid})
+                self._to_node(by_address[address], {"kind": Kind.FREE, "rid": r.rid})
 
     def _from_engines(self, now: float) -> None:
         for ident, h, _ in wire.drain(self.engines, routed=True):
@@ -374,10 +374,10 @@ class Scheduler:
             return
         old = self.nodes.get(name)
         if old is not None and old.ident != ident:
-            if wire.send(self.engines, {"kind": "ping"}, to=old.ident):
+            if wire.send(self.engines, {"kind": Kind.PING}, to=old.ident):
                 problem = f"node {name} is already connected to instance {self.cfg.instance}"
                 log.warning("refused a second hello of live node %s", name)
-                wire.send(self.engines, {"kind": "reject", "problem": problem}, to=ident)
+                wire.send(self.engines, {"kind": Kind.REJECT, "problem": problem}, to=ident)
                 return
             # The old connection is gone: the process was killed and restarted, its requests are lost.
             self._lose([old], "was restarted (its process was replaced)")
@@ -388,14 +388,14 @@ class Scheduler:
             problem = (f"node {name} offers {h.get('model')} stage {stage} layers {h.get('start')}:{h.get('end')}, "
                        f"but instance {self.cfg.instance} serves {self.cfg.model} with stages {self.ranges}")
             log.warning(problem)
-            wire.send(self.engines, {"kind": "reject", "problem": problem}, to=ident)
+            wire.send(self.engines, {"kind": Kind.REJECT, "problem": problem}, to=ident)
             return
         if old is not None and old.incarnation != incarnation:
             # The same connection, another process behind it: no request of the old one survives.
             self._lose([old], "was restarted (its process was replaced)")
         self.nodes[name] = _Node(name, stage, float(h.get("share", 1.0)), str(h["data"]), now,
                                  bool(h.get("streams")), ident, incarnation)
-        self._to_node(name, {"kind": "welcome", "route_key": self.route_key})
+        self._to_node(name, {"kind": Kind.WELCOME, "route_key": self.route_key})
         self._set_health()
 
     def _route(self) -> list[str] | None:
@@ -439,7 +439,7 @@ class Scheduler:
 
     def _send_step(self, r: _Request, tokens: list[int], handoff: list | None = None,
                    kv_transfer_params: dict | None = None) -> None:
-        header = {"kind": "forward", "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
+        header = {"kind": Kind.FORWARD, "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
                   "sampling": r.sampling, "mac": credentials.step_mac(self.route_key, r.rid, r.pos, 0)}
         if r.streamed:
             header["max_tokens"] = r.max_tokens - r.n_out
@@ -523,7 +523,7 @@ class Scheduler:
         kind, rid = h["kind"], h["rid"]
         if self.draining_since is not None or not self.healthy:
             state = "draining" if self.draining_since is not None else "unhealthy"
-            self._to_coord({"kind": "error", "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})
+            self._to_coord({"kind": Kind.ERROR, "rid": rid, "problem": f"instance {self.cfg.instance} is {state}"})
             return
         route = self._route()
         if route is None:
@@ -538,11 +538,11 @@ class Scheduler:
         streaming = {n.address for n in self.nodes.values() if n.streams}
         r.streamed = all(a in streaming for a in route)
         self.requests[rid] = r
-        if kind == "decode":
+        if kind == Kind.DECODE:
             r.pos = int(h["prompt_len"])
             span = [[a, b, address, credentials.kv_mac(self.route_key, rid)]
                     for (a, b), address in zip(self.ranges, route)]
-            self._to_coord({"kind": "kv_route", "rid": rid, "route": span})
+            self._to_coord({"kind": Kind.KV_ROUTE, "rid": rid, "route": span})
         else:
             self._forward(r, [int(x) for x in h["tokens"]], h.get("handoff") if kind == "prefill" else None)
 
@@ -566,16 +566,16 @@ class Scheduler:
             del self.requests[rid]
             if kv_transfer_params is not None:
                 extra["kv_transfer_params"] = kv_transfer_params
-            self._to_coord({"kind": "prefilled", "rid": rid, "token": token, **extra})
+            self._to_coord({"kind": Kind.PREFILLED, "rid": rid, "token": token, **extra})
             return
         r.n_out += 1
         reason = finish_reason(token, r.n_out, r.max_tokens, r.ignore_eos)
         if reason != "stop":
-            self._to_coord({"kind": "token", "rid": rid, "token": token, **extra})
+            self._to_coord({"kind": Kind.TOKEN, "rid": rid, "token": token, **extra})
         if reason:
             del self.requests[rid]
             self._free(r)
-            self._to_coord({"kind": "done", "rid": rid, "finish_reason": reason})
+            self._to_coord({"kind": Kind.DONE, "rid": rid, "finish_reason": reason})
         elif not r.streamed:
             self._forward(r, [token])
 

@@ -7,6 +7,7 @@ from typing import Any
 
 from coral_dagster.runtime.engine import Step
 from coral_dagster.runtime.node import EngineNode
+from coral_dagster.runtime.protocol import Kind
 from coral_dagster.runtime.vllm_engine import PREFILL_KV_PARAMS, VllmEngine
 
 
@@ -50,5 +51,5 @@ class VllmNode(EngineNode[VllmEngine]):
             extra: dict[str, Any] = {"logprobs": logprobs.message()} if logprobs else {}
             if rid in self.engine.kv_params:
                 extra["kv_transfer_params"] = self.engine.kv_params.pop(rid)
-            self._to_scheduler({"kind": "token", "rid": rid, "token": token, "pos": pos, **extra})
+            self._to_scheduler({"kind": Kind.TOKEN, "rid": rid, "token": token, "pos": pos, **extra})
         return self.engine.has_work()
