@@ -92,7 +92,8 @@ def headline(rows: list[dict], bursts: bool = True) -> list[dict]:
                     "paper": f"goal ≥ {GOAL_X}× on the large-model scenario" if name == "large" else None,
                     "ours": f"{ratio:.3f}× (bound vs static-peak: peak ÷ mean demand "
                             f"{coral['demand_peak_over_mean']:.2f}×)", "rule": "slo",
-                    "availability": "market profile and its series over the day (data/scenarios/MARKET.md §5)",
+                    "availability": ("market profile all day, no series (steady supply)" if coral.get("steady_supply")
+                                     else "market profile and its series over the day (data/scenarios/MARKET.md §5)"),
                     "section": "a day (data/scenarios/DAY.md)"})
     return out
 
