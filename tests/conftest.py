@@ -22,8 +22,9 @@ def _needs_node_env(item: pytest.Item) -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests that need the vLLM node environment run last, in their collected order."""
-    items.sort(key=_needs_node_env)
+    """Slow tests first, so that with `-n 2` the long ones do not end the run on one worker while the other idles;
+    tests that need the vLLM node environment last (it builds meanwhile); otherwise in their collected order."""
+    items.sort(key=lambda item: (_needs_node_env(item), item.get_closest_marker("slow") is None))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
