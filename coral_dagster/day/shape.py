@@ -75,9 +75,12 @@ def startup_s(spec: DaySpec, scenario: Scenario, template: Template) -> float:
     from coral_dagster.catalog.models import get_model
 
     weights_bytes = get_model(scenario.model(template.model).base).total_weight_bytes
-    nodes = sum(k for _, k in template.nodes.counts)
-    load_s = weights_bytes / nodes / (spec.weight_gbytes_per_s * 1e9)
-    return 60.0 * (spec.boot_min + spec.setup_min) + load_s
+    return _startup_s(spec, weights_bytes, sum(k for _, k in template.nodes.counts))
+
+
+def _startup_s(spec: DaySpec, weights_bytes: float, nodes: int) -> float:
+    """Boot, setup, and one node's share of `weights_bytes` (split over `nodes`) at `weight_gbytes_per_s`."""
+    return 60.0 * (spec.boot_min + spec.setup_min) + weights_bytes / nodes / (spec.weight_gbytes_per_s * 1e9)
 
 
 def drain_s(scenario: Scenario, model: str) -> float:
@@ -102,9 +105,8 @@ def lead_windows(scenario: Scenario) -> int:
     scenario's largest model's weights loaded by one node) in whole windows."""
     from coral_dagster.catalog.models import get_model
 
-    spec = day_spec(scenario)
     weights = max(get_model(m.base).total_weight_bytes for m in scenario.models)
-    longest_s = 60.0 * (spec.boot_min + spec.setup_min) + weights / (spec.weight_gbytes_per_s * 1e9)
+    longest_s = _startup_s(day_spec(scenario), weights, 1)
     return math.ceil(longest_s / (scenario.replan_interval_min * 60.0) - 1e-9)
 
 
