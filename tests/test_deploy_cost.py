@@ -57,19 +57,19 @@ def store(tmp_path):
     return Store(tmp_path / "deploy.duckdb")
 
 
-def test_clusters_are_gpu_nodes_plus_the_coordinator_pair_and_all_of_them_go_down(store):
+def test_clusters_are_gpu_nodes_plus_the_coordinator_pair_and_endpoint_and_all_of_them_go_down(store):
     cost = deployment_cost(P, "p1", PRICES, "the test prices")
-    assert (cost.gpu_nodes, cost.cpu_nodes, cost.clusters) == (gpu_nodes(P), 2, gpu_nodes(P) + 2)
+    assert (cost.gpu_nodes, cost.cpu_nodes, cost.clusters) == (gpu_nodes(P), 3, gpu_nodes(P) + 3)
     launcher = RecordingLauncher()
     report = reconcile(P, "p1", store, launcher, RecordingDrainer(), PRICES)
     rows = state.read_nodes(store)
     assert report.status == "done" and len(launcher.calls) == len(set(launcher.ips)) == cost.clusters
     assert dict(rows.role.value_counts()) == {"engine": gpu_nodes(P) - VLLM.nodes.size, "vllm": VLLM.nodes.size,
-                                              "coordinator": 2}
+                                              "coordinator": 2, "endpoint": 1}
     assert set(rows.cluster_name) == {c for c, _ in cost.disk_gb}
-    # Every GPU cluster carries accelerators; the only ones without are the coordinators.
+    # Every GPU cluster carries accelerators; the only ones without are the coordinators and their endpoint.
     no_gpu = [c for c, r in launcher.requests.items() if "accelerators" not in r.config["resources"]]
-    assert no_gpu == list(rows[rows.role == "coordinator"].cluster_name)
+    assert no_gpu == list(rows[rows.role.isin(("coordinator", "endpoint"))].cluster_name)
 
     again = RecordingLauncher()
     report = reconcile(P, "p1", store, again, RecordingDrainer(), PRICES)
@@ -87,14 +87,14 @@ def test_full_cost_is_the_sum_of_node_prices_read_from_the_rows_and_names_what_i
     assert expected > 0 and cost.gpu_usd_per_hour == pytest.approx(expected, rel=1e-12)
     # The rows price GPU nodes only: the coordinators' CPU VMs get no made-up price, and are named.
     assert cost.cpu_usd_per_hour == 0 and cost.total_usd_per_hour == pytest.approx(expected, rel=1e-12)
-    coordinators = [c for c, _ in cost.disk_gb if c.endswith(("-coord", "-coord-b"))]
-    assert len(coordinators) == 2
+    coordinators = [c for c, _ in cost.disk_gb if c.endswith(("-coord", "-coord-b", "-endpoint"))]
+    assert len(coordinators) == 3
     assert all(any(c in u and "unpriced: no CPU VM price in the test prices for aws:us-east-2" in u
                    for u in cost.unpriced) for c in coordinators)
     disks = dict(cost.disk_gb)
     assert [u for u in cost.unpriced if u.startswith("disks:")] == [
-        f"disks: {gpu_nodes(P)} × 256 GB + 2 × 100 GB = {sum(disks.values()):,} GB: not priced (no disk prices in "
-        "the test prices)"]
+        f"disks: {gpu_nodes(P)} × 256 GB + 2 × 100 GB + 1 × 50 GB = {sum(disks.values()):,} GB: not priced (no disk "
+        "prices in the test prices)"]
 
 
 def test_launch_dry_run_prices_from_the_plans_snapshot_and_shows_the_full_cost(store, tmp_path):
@@ -110,7 +110,7 @@ def test_launch_dry_run_prices_from_the_plans_snapshot_and_shows_the_full_cost(s
     assert doc["gpu_usd_per_hour"] == pytest.approx(expected, abs=1e-4)
     assert doc["total_usd_per_hour"] == pytest.approx(expected, abs=1e-4) and doc["cpu_usd_per_hour"] == 0
     assert doc["plan_usd_per_hour"] == pytest.approx(p.cost_usd_per_hour, abs=1e-4)
-    assert doc["clusters"] == len([c for c in doc["commands"] if c.startswith("sky launch")]) == gpu_nodes(p) + 2
+    assert doc["clusters"] == len([c for c in doc["commands"] if c.startswith("sky launch")]) == gpu_nodes(p) + 3
     assert any(f"unpriced: no CPU VM price in market snapshot {snap} for aws:us-east-2" in u for u in doc["unpriced"])
     text = CliRunner().invoke(launch_cli.launch, args, catch_exceptions=False).output
     assert f"deployment ${expected:,.2f}/h = ${expected:,.2f}/h for {gpu_nodes(p)} GPU node(s)" in text
@@ -143,4 +143,4 @@ def test_deployment_specs_asset_records_the_full_cost_as_float_metadata(store, t
         assert isinstance(meta[key], dg.FloatMetadataValue), key
     assert meta["gpu_usd_per_hour"].value == pytest.approx(expected, abs=1e-4)
     assert meta["total_usd_per_hour"].value == pytest.approx(expected, abs=1e-4) and meta["cpu_usd_per_hour"].value == 0
-    assert meta["clusters"].value == gpu_nodes(p) + 2 and "unpriced: no CPU VM price" in meta["unpriced"].value
+    assert meta["clusters"].value == gpu_nodes(p) + 3 and "unpriced: no CPU VM price" in meta["unpriced"].value

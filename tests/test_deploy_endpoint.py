@@ -1,5 +1,5 @@
-"""No single coordinator in a launched deployment: a primary and a warm standby, every scheduler given both, HTTPS
-by default, and the dry run showing the URL clients call."""
+"""No single coordinator in a launched deployment: a primary and a warm standby, every scheduler given both, one
+endpoint (HAProxy) in front of them, HTTPS by default, and the dry run showing the URL clients call."""
 
 from __future__ import annotations
 
@@ -49,42 +49,47 @@ def _launch_lines(commands: list[str]) -> list[list[str]]:
     return [shlex.split(c) for c in commands if c.startswith("sky launch")]
 
 
-def test_the_dry_run_launches_two_coordinators_first_and_shows_one_https_endpoint(store, tmp_path):
+def test_the_dry_run_launches_two_coordinators_and_their_endpoint_first_and_shows_one_https_endpoint(store, tmp_path):
     doc = _dry_run_json(store, tmp_path / "y")
     launches = _launch_lines(doc["commands"])
     # The registration key is handed to the coordinators only.
     coordinators = [a[a.index("-c") + 1] for a in launches if "CORAL_REGISTRATION_KEY" in a]
-    # Counted from the plan: its GPU nodes, and the two coordinators launched before any of them.
+    # Counted from the plan: its GPU nodes, and the two coordinators and the endpoint launched before any of them.
     n_gpu = sum(i.count * i.template.nodes.size for i in SMALL.instances)
-    assert len(launches) == n_gpu + 2 and len(coordinators) == 2
+    assert len(launches) == n_gpu + 3 and len(coordinators) == 2
     assert [a[a.index("-c") + 1] for a in launches[:2]] == coordinators
     primary, standby = coordinators
+    endpoint = launches[2][launches[2].index("-c") + 1]
+    assert endpoint.endswith("-endpoint") and not any(a.startswith("CORAL_") and "KEY" in a for a in launches[2])
     var = {c: "${ADDR_" + c.replace("-", "_").upper() + "}" for c in coordinators}
     assert f"CORAL_PRIMARY={var[primary]}" in launches[1]
+    # The endpoint is handed both coordinators, primary first, and nothing secret.
+    assert f"CORAL_COORDINATOR={var[primary]},{var[standby]}" in launches[2] and "--secret" not in launches[2]
     # Every launch that runs a scheduler is handed both coordinators' addresses, primary first.
     wired = [x for a in launches for x in a if x.startswith("CORAL_COORDINATOR=")]
     assert wired and set(wired) == {f"CORAL_COORDINATOR={var[primary]},{var[standby]}"}
-    assert len(wired) == sum(i.count for i in SMALL.instances)
-    # One URL clients call, HTTPS, in the JSON and on launch.sh's last line.
-    assert doc["endpoint"] == f"https://<IP of {primary}>:8000/v1"
-    assert doc["failover"] == f"https://<IP of {standby}>:8000/v1"
+    assert len(wired) == sum(i.count for i in SMALL.instances) + 1
+    # One URL clients call, the endpoint's, HTTPS, in the JSON and on launch.sh's last line.
+    assert doc["endpoint"] == f"https://<IP of {endpoint}>:8000/v1"
+    assert doc["coordinators"] == [f"https://<IP of {c}>:8000/v1" for c in (primary, standby)]
     last = Path(doc["script"]).read_text().splitlines()[-1]
-    assert last.startswith(f'echo "OpenAI API: https://$(host "{var[primary]}"):8000/v1')
-    assert f'its standby serves at https://$(host "{var[standby]}"):8000/v1' in last
+    assert last.startswith(f'echo "OpenAI API: https://$(sky status --ip {endpoint}):8000/v1')
     kinds = [yaml.safe_load(Path(p).read_text()) for p in doc["yaml"]]
-    coordinator_kinds = [k for k in kinds if "accelerators" not in k["resources"]]
-    assert len(coordinator_kinds) == 1 and coordinator_kinds[0]["envs"]["CORAL_PLAIN_HTTP"] == "0"
+    cpu_kinds = [k for k in kinds if "accelerators" not in k["resources"]]
+    assert len(cpu_kinds) == 2 and {k["envs"]["CORAL_PLAIN_HTTP"] for k in cpu_kinds} == {"0"}
+    assert [k["resources"]["ports"] for k in cpu_kinds if "CORAL_PRIMARY" not in k["envs"]] == [[8000]]
 
 
 def test_plain_http_is_an_explicit_opt_out(store, tmp_path):
     doc = _dry_run_json(store, tmp_path / "y", "--plain-http")
-    assert doc["endpoint"].startswith("http://<IP of ") and doc["failover"].startswith("http://<IP of ")
+    assert doc["endpoint"].startswith("http://<IP of ") and all(c.startswith("http://<IP of ")
+                                                                 for c in doc["coordinators"])
     assert 'OpenAI API: http://' in Path(doc["script"]).read_text().splitlines()[-1]
     kinds = [yaml.safe_load(Path(p).read_text()) for p in doc["yaml"]]
-    assert [k["envs"]["CORAL_PLAIN_HTTP"] for k in kinds if "accelerators" not in k["resources"]] == ["1"]
+    assert [k["envs"]["CORAL_PLAIN_HTTP"] for k in kinds if "accelerators" not in k["resources"]] == ["1", "1"]
 
 
-def test_reconcile_launches_both_coordinators_first_wires_every_scheduler_to_both_and_down_ends_with_them(store):
+def test_reconcile_launches_the_pair_and_endpoint_first_wires_schedulers_to_both_and_down_ends_with_them(store):
     calls: list[tuple[str, str]] = []
     launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
     report = reconcile(SMALL, "p1", store, launcher, drainer, PRICES)
@@ -94,54 +99,59 @@ def test_reconcile_launches_both_coordinators_first_wires_every_scheduler_to_bot
     primary, standby = pair.cluster_name
     assert list(pair.slot) == ["primary", "standby"]
     launched = [c for a, c in calls if a == "launch"]
-    assert launched[:2] == [primary, standby]
+    (front,) = rows[rows.role == "endpoint"].cluster_name
+    assert launched[:3] == [primary, standby, front]
     address = {c: f"tcp://{ip}:5555" for c, ip in launcher.ips.items()}
     assert launcher.requests[standby].config["envs"]["CORAL_PRIMARY"] == address[primary]
     assert launcher.requests[primary].config["envs"]["CORAL_PRIMARY"] == ""
-    heads = rows[(rows.role != "coordinator") & (rows.stage == 0) & (rows.node_index == 0)]
+    assert launcher.requests[front].config["envs"]["CORAL_COORDINATOR"] == f"{address[primary]},{address[standby]}"
+    assert launcher.requests[front].config["resources"]["ports"] == [8000] and not launcher.requests[front].secret_names
+    gpu = rows[~rows.role.isin(("coordinator", "endpoint"))]
+    heads = gpu[(gpu.stage == 0) & (gpu.node_index == 0)]
     assert len(heads) == sum(i.count for i in SMALL.instances)
     for head in heads.cluster_name:
         assert launcher.requests[head].config["envs"]["CORAL_COORDINATOR"] == f"{address[primary]},{address[standby]}"
-    others = rows[(rows.role != "coordinator") & ~rows.cluster_name.isin(heads.cluster_name)]
+    others = gpu[~gpu.cluster_name.isin(heads.cluster_name)]
     assert all(launcher.requests[c].config["envs"]["CORAL_COORDINATOR"] == "" for c in others.cluster_name)
-    # Both serve HTTPS; `coral status`'s URL is the primary's.
+    # All three serve HTTPS; `coral status`'s URL is the endpoint's.
     from coral_dagster.app.deployment import endpoint
-    assert endpoint(rows) == f"https://{launcher.ips[primary]}:8000/v1"
-    assert {launcher.requests[c].config["envs"]["CORAL_PLAIN_HTTP"] for c in (primary, standby)} == {"0"}
+    assert endpoint(rows) == f"https://{launcher.ips[front]}:8000/v1"
+    assert {launcher.requests[c].config["envs"]["CORAL_PLAIN_HTTP"] for c in (primary, standby, front)} == {"0"}
     # A second run changes nothing; `coral down` drains every instance, then takes the pair down last.
     again = RecordingLauncher()
     assert reconcile(SMALL, "p1", store, again, RecordingDrainer(), PRICES).launched == () and again.calls == []
     n = len(calls)
     down = teardown(store, launcher, drainer)
     tail = calls[n:]
-    assert down.status == "done" and {c for _, c in tail[-2:]} == {primary, standby}
-    assert all(a == "down" for a, _ in tail[-2:]) and [a for a, _ in tail].count("drain") == len(heads)
+    assert down.status == "done" and {c for _, c in tail[-3:]} == {primary, standby, front}
+    assert all(a == "down" for a, _ in tail[-3:]) and [a for a, _ in tail].count("drain") == len(heads)
     assert set(state.read_nodes(store).status) == {"down"}
 
 
-def test_a_live_coordinator_without_a_standby_gets_one_serving_its_scheme(store):
+def test_a_live_coordinator_without_a_standby_gets_one_and_an_endpoint_serving_its_scheme(store):
     """A deployment recorded before the pair (one coordinator, phase empty: it served plain HTTP) gets a standby
-    wired to it on the next run, serving plain HTTP as the primary does."""
+    wired to it and an endpoint wired to both on the next run, serving plain HTTP as the primary does."""
     reconcile(SMALL, "p1", store, RecordingLauncher(), RecordingDrainer(), PRICES)
     with store.transaction() as con:
-        con.execute("DELETE FROM deployment_nodes WHERE slot = 'standby'")
+        con.execute("DELETE FROM deployment_nodes WHERE slot IN ('standby', 'endpoint')")
         con.execute("UPDATE deployment_nodes SET phase = '' WHERE role = 'coordinator'")
     launcher = RecordingLauncher()
     reconcile(SMALL, "p1", store, launcher, RecordingDrainer(), PRICES)
-    (standby,) = launcher.requests
+    standby, front = launcher.requests
     assert standby.endswith("-coord-b") and launcher.requests[standby].config["envs"]["CORAL_PLAIN_HTTP"] == "1"
+    assert front.endswith("-endpoint") and launcher.requests[front].config["envs"]["CORAL_PLAIN_HTTP"] == "1"
     assert plan_diff(SMALL, "p1", state.read_nodes(store), PRICES).plain_http
 
 
-def _run_section(tmp_path: Path, envs: dict[str, str]) -> subprocess.Popen:
-    """The coordinator task's `run` script under bash with the task's envs, `envs` over them, and a `python` on PATH
-    that records its arguments and the TLS envs instead of serving."""
+def _run_section(tmp_path: Path, envs: dict[str, str], role: str = "coordinator") -> subprocess.Popen:
+    """A task's `run` script (the coordinator's unless `role`) under bash with the task's envs, `envs` over them, and
+    a `python` on PATH that records its arguments and the TLS envs instead of serving."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fake = bin_dir / "python"
     fake.write_text('#!/bin/sh\necho "$* cert=$CORAL_TLS_CERTFILE key=$CORAL_TLS_KEYFILE" > "$SERVED"\n')
     fake.chmod(0o755)
-    task = role_template("coordinator")
+    task = role_template(role)
     env = {**os.environ, **{k: str(v) for k, v in task["envs"].items()}, **envs, "HOME": str(tmp_path / "home"),
            "SERVED": str(tmp_path / "served"), "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     return subprocess.Popen(["bash", "-c", task["run"]], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -159,6 +169,44 @@ def test_without_a_certificate_the_coordinator_serves_https_with_a_key_only_it_r
     text = subprocess.run(["openssl", "x509", "-in", str(tls / "cert.pem"), "-noout", "-subject"], check=True,
                           capture_output=True, text=True).stdout
     assert "coral-coordinator" in text
+
+
+@pytest.mark.parametrize("plain", [False, True], ids=["https", "plain-http"])
+def test_the_endpoint_task_sends_to_the_pair_in_order_with_a_config_haproxy_accepts(tmp_path, plain):
+    """The endpoint's `run` script turns the pair's recorded addresses into front-door URLs, primary first, and (HTTPS)
+    a PEM only it reads; `coral serve endpoint` with those arguments writes a configuration HAProxy itself checks."""
+    from coral_dagster.runtime.endpoint import Upstream, haproxy_config
+
+    pair = "tcp://10.0.0.1:5555,tcp://10.0.0.2:5555"
+    done = _run_section(tmp_path, {"CORAL_COORDINATOR": pair, "CORAL_PLAIN_HTTP": "1" if plain else "0"}, "endpoint")
+    assert done.wait(60) == 0, done.stderr.read() if done.stderr else ""
+    args = (tmp_path / "served").read_text().split(" cert=")[0].split()
+    scheme = "http" if plain else "https"
+    assert args[:3] == ["-m", "coral_dagster.cli.serve", "endpoint"]
+    upstreams = [args[k + 1] for k, a in enumerate(args) if a == "--upstream"]
+    assert upstreams == [f"{scheme}://10.0.0.1:8000", f"{scheme}://10.0.0.2:8000"]
+    pem = Path(args[args.index("--tls-pemfile") + 1]) if "--tls-pemfile" in args else None
+    assert (pem is None) == plain
+    if pem is not None:
+        assert pem.stat().st_mode & 0o777 == 0o600 and "PRIVATE KEY" in pem.read_text()
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(haproxy_config([Upstream.parse(u) for u in upstreams], "127.0.0.1", 8443, pem))
+    text = cfg.read_text()
+    # The primary first and active, the standby its backup, each over the scheme the pair serves.
+    servers = [line.split() for line in text.splitlines() if line.strip().startswith("server ")]
+    assert [s[2] for s in servers] == ["10.0.0.1:8000", "10.0.0.2:8000"] and servers[1][-1] == "backup"
+    assert all(("ssl" in s) != plain for s in servers)
+    checked = subprocess.run(["haproxy", "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_an_upstream_that_is_not_a_url_is_refused_naming_it():
+    from coral_dagster.errors import CoralError
+    from coral_dagster.runtime.endpoint import Upstream
+
+    for bad in ("10.0.0.1:8000", "tcp://10.0.0.1:5555", "https://10.0.0.1"):
+        with pytest.raises(CoralError, match="is not an http"):
+            Upstream.parse(bad)
 
 
 class _Health(BaseHTTPRequestHandler):

@@ -59,12 +59,12 @@ def test_a_large_deployments_clusters_and_kinds_are_named_consistently_and_uniqu
     big = plan((QWEN, "aws:us-east-2", 40), (PHI, "aws:us-east-2", 30), (GPT, "gcp:us-central1", 30))
     nodes = deployment_nodes(big, "plan-big", prices)
     clusters = [n.cluster_name for n in nodes]
-    assert len(clusters) == len(set(clusters)) == 2 + sum(i.count * i.template.nodes.size for i in big.instances)
+    assert len(clusters) == len(set(clusters)) == 3 + sum(i.count * i.template.nodes.size for i in big.instances)
     assert [n.cluster_name for n in deployment_nodes(big, "plan-big", prices)] == clusters
     tag = names.plan_tag("plan-big")
     assert all(tag in c and SKYPILOT_NAME.fullmatch(c) and len(c) <= GCP_ROOM for c in clusters)
     by_instance: dict[str, set[str]] = {}
-    for n in nodes[2:]:
+    for n in nodes[3:]:
         by_instance.setdefault(n.instance_id, set()).add(n.cluster_name.rsplit("-s", 1)[0])
     assert len(by_instance) == sum(i.count for i in big.instances)
     assert all(len(prefixes) == 1 for prefixes in by_instance.values())

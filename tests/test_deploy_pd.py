@@ -17,7 +17,7 @@ from coral_dagster.cli.serve import engine_cmd
 from coral_dagster.deploy import state
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
-from coral_dagster.deploy.spec import instance_shapes
+from coral_dagster.deploy.spec import GPU_ROLES, instance_shapes
 from coral_dagster.runtime.vllm_engine import VllmLaunch
 from coral_dagster.store import Store
 from support.deploy_fakes import RecordingDrainer, RecordingLauncher
@@ -42,7 +42,7 @@ def _empty(tmp_path):
 
 def test_pd_templates_of_a_vllm_plan_are_vllm_instances_with_their_kv_roles(tmp_path):
     nodes = plan_diff(P, "p-pd", _empty(tmp_path), PRICES, engine="vllm").nodes_to_launch()
-    gpu = [n for n in nodes if n.role != "coordinator"]
+    gpu = [n for n in nodes if n.role in GPU_ROLES]
     assert {n.role for n in gpu} == {"vllm"}
     assert len({n.cluster_name for n in nodes}) == len(nodes)
     by_instance: dict[str, list] = {}
@@ -68,7 +68,7 @@ def test_pd_templates_of_a_vllm_plan_are_vllm_instances_with_their_kv_roles(tmp_
 
 def test_the_same_plan_under_the_coral_engine_keeps_pd_on_corals_runtime(tmp_path):
     nodes = plan_diff(P, "p-pd", _empty(tmp_path), PRICES, engine="coral").nodes_to_launch()
-    roles = {(n.phase, n.role) for n in nodes if n.role != "coordinator"}
+    roles = {(n.phase, n.role) for n in nodes if n.role in GPU_ROLES}
     assert roles == {("prefill", "engine"), ("decode", "engine"), ("aggregated", "vllm")}
     assert not any("CORAL_KV_TRANSFER_CONFIG" in n.env() for n in nodes)
     # Switching the engine relaunches the PD instances (other fingerprints), never the aggregated one.

@@ -25,6 +25,7 @@ from support.deploy_fakes import RecordingDrainer, RecordingLauncher
 from support.deploy_plans import GPT, PHI, PRICES, QWEN, plan, store_on_snapshot, template
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
+from coral_dagster.deploy.spec import GPU_ROLES
 from coral_dagster.deploy.tasks import role_template
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime import credentials
@@ -41,13 +42,13 @@ P2 = plan((QWEN, "aws:us-east-2", 1), (GPT, "gcp:us-central1", 1))
 
 
 def clusters_of(p: Plan) -> int:
-    """Clusters a plan needs, counted from the plan itself: its GPU nodes and the coordinator pair."""
-    return 2 + sum(i.count * i.template.nodes.size for i in p.instances)
+    """Clusters a plan needs, counted from the plan itself: its GPU nodes, the coordinator pair and its endpoint."""
+    return 3 + sum(i.count * i.template.nodes.size for i in p.instances)
 
 
 def heads(rows):
     """The recorded node of each instance that runs its scheduler: stage 0, node 0."""
-    return rows[(rows.role != "coordinator") & (rows.stage == 0) & (rows.node_index == 0)]
+    return rows[rows.role.isin(GPU_ROLES) & (rows.stage == 0) & (rows.node_index == 0)]
 
 
 def nodes(store: Store):
@@ -83,10 +84,11 @@ def test_first_run_launches_every_node_once_in_wiring_order(store):
     role = rows.set_index("cluster_name").role
     assert role[names[0]] == "coordinator"
     order = {n: i for i, n in enumerate(names)}
-    for _, inst in rows[rows.role != "coordinator"].groupby("instance_id"):
+    assert role[names[2]] == "endpoint"
+    for _, inst in rows[rows.role.isin(GPU_ROLES)].groupby("instance_id"):
         head = heads(inst).cluster_name.item()
         assert all(order[head] < order[e] for e in inst.cluster_name if e != head)
-    engines = rows[rows.role != "coordinator"]
+    engines = rows[rows.role.isin(GPU_ROLES)]
     assert set(engines.role) == {"engine"}
     sizes = {"qwen3-32b": QWEN.nodes.size, "phi-4": PHI.nodes.size}
     assert engines.groupby("instance_id").size().to_dict() == \
@@ -321,12 +323,12 @@ def test_empty_plan_drains_everything_and_downs_the_coordinator_last(store):
     calls: list[tuple[str, str]] = []
     launcher, drainer = RecordingLauncher(calls=calls), RecordingDrainer(calls=calls)
     reconcile(P1, "p1", store, launcher, drainer, PRICES)
-    pair = set(nodes(store).query("role == 'coordinator'").cluster_name)
+    pair = set(nodes(store).query("role in ('coordinator', 'endpoint')").cluster_name)
     n = len(calls)
     reconcile(plan(), "p0", store, launcher, drainer, PRICES)
     tail = calls[n:]
     assert len([c for c in tail if c[0] == "drain"]) == sum(i.count for i in P1.instances)
-    assert {c for _, c in tail[-2:]} == pair and {a for a, _ in tail[-2:]} == {"down"}
+    assert {c for _, c in tail[-3:]} == pair and {a for a, _ in tail[-3:]} == {"down"}
     assert set(nodes(store).status) == {"down"}
 
 
@@ -407,9 +409,10 @@ def test_dry_run_script_launches_what_a_real_run_launches_from_one_yaml_per_kind
         assert handed == resolve_secrets(real.secret_names, SECRETS, real.config["envs"])
         # The registration key goes to the coordinator only.
         assert ("CORAL_REGISTRATION_KEY" in handed) == (cluster in diff.coordinator_clusters)
-        assert ("CORAL_INSTANCE_CREDENTIAL" in handed) == (cluster not in diff.coordinator_clusters)
+        assert ("CORAL_INSTANCE_CREDENTIAL" in handed) == ("accelerators" in real.config["resources"])
     coordinator = diff.coordinator.cluster_name
-    assert f"OpenAI API: https://{launcher.ips[coordinator]}:8000/v1" in out
+    assert diff.endpoint is not None
+    assert f"OpenAI API: https://{launcher.ips[diff.endpoint.cluster_name]}:8000/v1" in out
     # Each wired cluster's address is looked up once, into a variable, not once per use.
     text = dry.script.read_text()
     assert text.count(f"sky status --ip {coordinator}") == 0 and text.count(f"$(address {coordinator})") == 1
@@ -491,7 +494,7 @@ def test_secrets_never_reach_yaml_duckdb_logs_or_output(monkeypatch, tmp_path, c
         assert value.encode() not in blob
     for p in (tmp_path / "dry").glob("*.yaml"):
         secrets = yaml.safe_load(p.read_text())["secrets"]
-        assert secrets and all(v is None for v in secrets.values())
+        assert (secrets or p.name.startswith("endpoint-")) and all(v is None for v in secrets.values())
 
 
 def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
@@ -500,12 +503,13 @@ def test_status_shows_live_nodes_and_their_price(monkeypatch, store):
     assert doc["instances"] == sum(i.count for i in P1.instances)
     assert doc["gpu_usd_per_hour"] == pytest.approx(P1.cost_usd_per_hour)
     assert len(doc["nodes"]) == clusters_of(P1) and doc["last_run"]["status"] == "done"
-    coordinator = [n["cluster_name"] for n in doc["nodes"] if n["role"] == "coordinator"]
-    assert doc["unpriced_clusters"] == coordinator and len(coordinator) == 2
+    cpu = [n["cluster_name"] for n in doc["nodes"] if n["role"] in ("coordinator", "endpoint")]
+    assert doc["unpriced_clusters"] == sorted(cpu) and len(cpu) == 3
     text = _cli(monkeypatch, ["status", "--db", str(store.path)], P1, "p1")
     assert "3 instance(s)" in text
-    # The coordinator's OpenAI URL, on the address it was launched at.
-    address = primary(state.read_nodes(store)).address.item()
+    # The endpoint's OpenAI URL, on the address it was launched at.
+    rows = state.read_nodes(store)
+    address = rows[rows.role == "endpoint"].address.item()
     url = f"https://{address.removeprefix('tcp://').rsplit(':', 1)[0]}:8000/v1"
     assert doc["url"] == url and f"OpenAI API: {url}" in text
 
@@ -543,7 +547,7 @@ def test_cli_launches_the_latest_stored_plan(monkeypatch, store, tmp_path):
                          catch_exceptions=False)
     report = json.loads(real.output)
     assert report["status"] == "done" and sorted(report["launched"]) == sorted(launcher.ips)
-    coordinator = next(c for c in launcher.ips if c.endswith("-coord"))
-    assert report["url"] == f"https://{launcher.ips[coordinator]}:8000/v1"
+    front = next(c for c in launcher.ips if c.endswith("-endpoint"))
+    assert report["url"] == f"https://{launcher.ips[front]}:8000/v1"
     assert len(launcher.ips) == clusters_of(P1)
     assert set(state.read_nodes(store).plan_id) == {plan_id}

@@ -25,6 +25,7 @@ from coral_dagster.catalog.nodes import NodeConfig, NodeMultiset
 from coral_dagster.catalog.prices import load_node_prices
 from coral_dagster.deploy.dry_run import write_dry_run
 from coral_dagster.deploy.reconcile import plan_diff, reconcile
+from coral_dagster.deploy.spec import GPU_ROLES
 from coral_dagster.runtime import credentials
 from coral_dagster.store import Store
 from coral_dagster.templates.types import Stage, Template
@@ -181,7 +182,7 @@ def probe(tmp_path_factory):
         path.parent.mkdir(exist_ok=True)
         path.write_text(yaml.safe_dump(dict(req.config), sort_keys=False))
         wired.append(path)
-    checked_in = [paths.REPO_ROOT / "sky_tasks" / f"{r}.yaml" for r in ("engine", "vllm", "coordinator")]
+    checked_in = [paths.REPO_ROOT / "sky_tasks" / f"{r}.yaml" for r in ("engine", "vllm", "coordinator", "endpoint")]
     engine = next(r for r in launcher.requests.values() if "CORAL_LAYERS" in r.config["envs"])
     rows = [{"cloud": r.region.split(":")[0], "region": r.region.split(":")[1], "gpu": r.gpu, "gpus": int(r.gpus),
              "instance_type": r.instance_type, "zones": _zones(r)} for r in PRICES.itertuples()]
@@ -213,9 +214,11 @@ def state_frame(tmp_path_factory):
 
 def _ports(envs: dict) -> list[str]:
     """What a task opens, from what it runs: a Coral head also its engine's port (SkyPilot writes the two as a
-    range), a vLLM node vLLM's, the coordinator its HTTP front door."""
+    range), a vLLM node vLLM's, the coordinator its HTTP front door, the endpoint only the URL clients call."""
     if envs.get("CORAL_HEAD") == "1":
         return ["5555-5556"]
+    if "CORAL_COORDINATOR_HTTP_PORT" in envs:
+        return ["8000"]
     if "CORAL_HTTP_PORT" in envs:
         return ["5555", "8000"]
     return ["5555", "29501"] if "CORAL_VLLM_PORT" in envs else ["5555"]
@@ -223,12 +226,13 @@ def _ports(envs: dict) -> list[str]:
 
 def test_every_generated_and_checked_in_task_loads_and_validates(probe):
     tasks = probe["tasks"]
-    n_nodes = 2 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
-    assert len(tasks) == len(probe["_kinds"]) + n_nodes + 3 and len(probe["_kinds"]) <= n_nodes
+    n_nodes = 3 + sum(i.count * i.template.nodes.size for i in PLAN.instances)
+    assert len(tasks) == len(probe["_kinds"]) + n_nodes + 4 and len(probe["_kinds"]) <= n_nodes
     for t in tasks:
         assert t["ports"] == _ports(t["envs"]), t["path"]
         assert t["inline_secrets"] == []
-        assert t["secret_refs"], t["path"]
+        # Every task but the endpoint's (HAProxy holds no secret) takes secrets.
+        assert bool(t["secret_refs"]) != ("CORAL_COORDINATOR_HTTP_PORT" in t["envs"]), t["path"]
     assert not probe["api_server_dir"]
 
 
@@ -250,8 +254,9 @@ def test_engine_resources_match_the_plan_node_by_node(probe):
 
 
 def test_full_cost_is_skypilots_price_of_every_gpu_task_and_the_coordinator_is_named_unpriced(probe):
-    """The launched tasks are the plan's GPU nodes plus the coordinator pair; SkyPilot's own hourly price of the GPU
-    tasks sums to the deployment's GPU cost; each coordinator (no instance type pinned) is listed as unpriced, and
+    """The launched tasks are the plan's GPU nodes plus the coordinator pair and its endpoint; SkyPilot's own hourly
+    price of the GPU tasks sums to the deployment's GPU cost; each CPU VM (no instance type pinned) is listed as
+    unpriced, and
     the disk SkyPilot will give each cluster is the one the cost states."""
     from coral_dagster.deploy.cost import deployment_cost
 
@@ -260,7 +265,8 @@ def test_full_cost_is_skypilots_price_of_every_gpu_task_and_the_coordinator_is_n
     gpu = [t for t in wired if t["accelerators"]]
     cpu = [t for t in wired if not t["accelerators"]]
     assert len(gpu) == sum(i.count * i.template.nodes.size for i in PLAN.instances) == cost.gpu_nodes
-    assert len(cpu) == cost.cpu_nodes == 2 and all(c["instance_type"] is None and c["cpus"] == "4+" for c in cpu)
+    assert len(cpu) == cost.cpu_nodes == 3 and all(c["instance_type"] is None for c in cpu)
+    assert sorted(c["cpus"] for c in cpu) == ["2+", "4+", "4+"]
     assert cost.gpu_usd_per_hour == pytest.approx(sum(t["usd_per_hour"] for t in gpu), rel=1e-9)
     assert cost.cpu_usd_per_hour == 0
     assert all(any(c["name"] in u and "unpriced" in u for u in cost.unpriced) for c in cpu)
@@ -337,7 +343,7 @@ def test_secrets_go_to_skypilot_as_secrets_only(probe):
                                           envs["CORAL_NODE"])
     assert s["values"] == {**{k: v for k, v in SENTINEL.items() if k != "CORAL_REGISTRATION_KEY"},
                            "CORAL_INSTANCE_CREDENTIAL": own if head else "", "CORAL_NODE_CREDENTIAL": node}
-    others = {n.env()["CORAL_INSTANCE"] for n in probe["_diff"].nodes_to_launch() if n.role != "coordinator"}
+    others = {n.env()["CORAL_INSTANCE"] for n in probe["_diff"].nodes_to_launch() if n.role in GPU_ROLES}
     assert len(others) > 1 and all(credentials.instance_credential(SENTINEL["CORAL_REGISTRATION_KEY"], i) != own
                                    for i in others - {instance})
     assert not s["in_envs"] and not s["in_redacted_yaml"] and s["refs_left"] == []

@@ -49,8 +49,8 @@ def test_a_vllm_instance_is_one_cluster_per_stage_wired_to_its_head(store):
         assert c["resources"]["accelerators"] == str(GPT.stages[rank].nodes[0])
     assert [a.startswith("tcp://") for a in configs[0]["envs"]["CORAL_COORDINATOR"].split(",")] == [True, True]
     assert all(c["envs"]["CORAL_COORDINATOR"] == "" for c in configs[1:])
-    # Neither instance has a CPU VM of its own: every cluster but the coordinator pair carries GPUs.
-    assert set(rows.role) == {"vllm", "engine", "coordinator"} and (rows.role == "coordinator").sum() == 2
+    # Neither instance has a CPU VM of its own: every cluster but the coordinator pair and endpoint carries GPUs.
+    assert set(rows.role) == {"vllm", "engine", "coordinator", "endpoint"} and (rows.role == "coordinator").sum() == 2
 
 
 def _run_script(config: dict, tmp_path, rc: int = 0, processes: int = 1) -> list[str]:
@@ -88,18 +88,18 @@ def test_coral_down_takes_down_what_launch_started_coordinator_last(store, tmp_p
     launcher = RecordingLauncher()
     reconcile(P, "p1", store, launcher, RecordingDrainer(), PRICES)
     rows = state.read_nodes(store)
-    up, pair = set(rows.cluster_name), set(rows[rows.role == "coordinator"].cluster_name)
+    up, pair = set(rows.cluster_name), set(rows[rows.role.isin(("coordinator", "endpoint"))].cluster_name)
     dry = CliRunner().invoke(down_cli, ["--dry-run", "--json", "--db", str(store.path)])
     assert dry.exit_code == 0, dry.output
     planned = json.loads(dry.output)
-    assert set(planned["clusters"]) == up and set(planned["clusters"][-2:]) == pair
+    assert set(planned["clusters"]) == up and set(planned["clusters"][-3:]) == pair
     assert all(c.startswith("sky down -y ") or c.startswith("# drain") for c in planned["commands"])
     assert set(state.read_nodes(store).status) == {"launched"}
     calls: list = []
     after = RecordingLauncher(calls=calls)
     report = teardown(store, after, RecordingDrainer(calls=calls))
     assert report.status == "done" and set(report.downed) == up
-    assert set([c for a, c in calls if a == "down"][-2:]) == pair
+    assert set([c for a, c in calls if a == "down"][-3:]) == pair
     assert len(report.drained) == 2 and set(state.read_nodes(store).status) == {"down"}
     again = teardown(store, RecordingLauncher(), RecordingDrainer())
     assert again.downed == () and again.status == "done"

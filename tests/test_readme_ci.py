@@ -25,8 +25,9 @@ def test_readme_has_exactly_two_setup_commands():
 
 
 def test_ci_runs_the_readme_test_command():
-    """CI's last step is the README's test command; before it CI may only install the browser the UI test uses."""
+    """CI's last step is the README's test command; before it CI may only install the browser the UI test uses and
+    HAProxy, the endpoint the takeover test puts in front of the coordinator pair."""
     ci = [line.strip() for line in (ROOT / ".ci/run").read_text().splitlines()
           if line.strip() and not line.startswith(("#", "set ", "cd ", "export "))]
     assert ci[-1] == _setup_commands()[1]
-    assert all("apt-get install" in line and "chromium" in line for line in ci[:-1])
+    assert all("apt-get install" in line and "chromium" in line and "haproxy" in line for line in ci[:-1])

@@ -154,7 +154,8 @@ def test_one_table_names_every_coral_variable_of_the_runtime():
     assert table - options == {Env.CURVE_SECRET_KEY, Env.CURVE_PUBLIC_KEYS, Env.REGISTRATION_KEY,
                                Env.INSTANCE_CREDENTIAL, Env.NODE_CREDENTIAL,
                                Env.HEAD, Env.VLLM_SPEC, Env.PROFILE_NODE, Env.PROFILE_LAYERS,
-                               Env.MODELS_DIR, Env.PLAIN_HTTP, Env.PRIMARY}
+                               Env.MODELS_DIR, Env.PLAIN_HTTP, Env.PRIMARY, Env.TLS_PEMFILE,
+                               Env.COORDINATOR_HTTP_PORT}
     # What the deployment specs and SkyPilot tasks set, and what any runtime module reads, is in the table.
     written = set()
     for path in [ROOT / "coral_dagster" / "deploy" / "spec.py", ROOT / "coral_dagster" / "deploy" / "tasks.py",

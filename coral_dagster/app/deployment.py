@@ -103,10 +103,12 @@ def deploy(store: Store, plan: Plan, *, dry_run: bool = True, out: Path | None =
 
 
 def endpoint(nodes: pd.DataFrame) -> str | None:
-    """The OpenAI base URL of the live coordinator among the recorded nodes, or None when none is up."""
+    """The OpenAI base URL clients call among the recorded nodes: the endpoint's, else (a deployment launched before
+    there was one) the live coordinator's; None when neither is up."""
     from coral_dagster.deploy.tasks import HTTPS_SCHEME, PLAIN_SCHEME, http_url
 
-    up = nodes[(nodes.role == "coordinator") & (nodes.status == "launched") & nodes.address.notna()]
+    up = nodes[nodes.role.isin(("endpoint", "coordinator")) & (nodes.status == "launched") & nodes.address.notna()]
+    up = up.sort_values("role", key=lambda r: r != "endpoint", kind="stable")
     # A coordinator row's phase holds the scheme it serves; older rows (empty) served plain HTTP.
     return http_url(up.address.iloc[0], HTTPS_SCHEME if up.phase.iloc[0] == HTTPS_SCHEME else PLAIN_SCHEME) \
         if len(up) else None

@@ -118,7 +118,7 @@ def launch(plan_ref: str, scenario: str, method: str, dry_run: bool, out_dir: st
     actions = _actions(diff)
     if as_json:
         emit_json({**done.as_dict(), "actions": _records(actions), "endpoint": dry.endpoint,
-                   "failover": dry.failover})
+                   "coordinators": list(dry.coordinators)})
         return
     _echo_cost(plan, done.cost, done.priced_from)
     if not diff.changes:

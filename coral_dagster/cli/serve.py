@@ -261,6 +261,32 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
     sys.exit(supervise(name, target, kwargs, restart=restart))
 
 
+@serve.command("endpoint")
+@click.option("--upstream", "upstreams", multiple=True, required=True, metavar="URL",
+              help="A coordinator's front door, http(s)://host:port; the first is the primary, the next ones its "
+                   "standbys (repeat the option).")
+@_opt("--host", env=Env.HTTP_HOST, default="127.0.0.1", show_default=True, help="Address the endpoint listens on.")
+@_opt("--port", env=Env.HTTP_PORT, type=click.IntRange(1, 65535), default=8000, show_default=True,
+      help="Port the endpoint listens on (the one URL clients call).")
+@click.option("--tls-pemfile", type=click.Path(dir_okay=False), default=None,
+              help="PEM holding the certificate chain and its private key: serve HTTPS (else plain HTTP).")
+@click.option("--config-dir", type=click.Path(file_okay=False), default=".", show_default=True,
+              help="Where HAProxy's configuration is written (haproxy.cfg, mode 0600).")
+def endpoint_cmd(upstreams: tuple[str, ...], host: str, port: int, tls_pemfile: str | None, config_dir: str) -> None:
+    """One public endpoint in front of the coordinator pair: HAProxy sends every request to the primary while it
+    answers its health check (/ping, every 0.5 s) and to the standby once it does not.
+
+    A request is retried on the other coordinator only when its connection failed before anything was sent, so
+    none is answered twice; streamed responses pass through unbuffered. Needs HAProxy (Debian/Ubuntu: `apt-get
+    install haproxy`); this command becomes HAProxy in the foreground.
+    """
+    from pathlib import Path
+
+    from coral_dagster.runtime.endpoint import run_endpoint
+
+    run_endpoint(upstreams, host, port, Path(config_dir), Path(tls_pemfile) if tls_pemfile else None)
+
+
 @serve.command("local")
 @click.option("--model", default="tiny-llama", show_default=True, help="Runtime model.")
 @click.option("--engine", "engine_kind", type=click.Choice(["torch", "vllm"]), default="torch", show_default=True,
@@ -280,6 +306,9 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
       help="Key HTTP clients must send as 'Authorization: Bearer' (default: generated, written to <log-dir>/api_key).")
 @click.option("--restart/--no-restart", default=True, show_default=True,
               help="Restart a scheduler or engine that dies, with exponential back-off.")
+@click.option("--endpoint", is_flag=True,
+              help="Run the coordinator pair as `coral launch` deploys it: each on ports of its own, with HAProxy "
+                   "(`coral serve endpoint`) on --port in front.")
 @click.option("--log-dir", type=click.Path(file_okay=False), default=None, help="Where each process logs.")
 @click.option("--ready-timeout-s", type=POSITIVE, default=120.0, show_default=True, help="Start-up time limit.")
 @click.option("--vllm-args", default="", help="vLLM heads' launch flags of `coral serve engine`, e.g. "
@@ -287,8 +316,8 @@ def engine_cmd(node: str | None, model: str, layers: str, stage_rank: int, sched
 @_timing_options
 @_json
 def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, pd: bool, decode_split: str | None,
-              stage_nodes: str | None, port: int, host: str, api_key: str | None, restart: bool, log_dir: str | None,
-              ready_timeout_s: float, vllm_args: str, as_json: bool, **kw: Any) -> None:
+              stage_nodes: str | None, port: int, host: str, api_key: str | None, restart: bool, endpoint: bool,
+              log_dir: str | None, ready_timeout_s: float, vllm_args: str, as_json: bool, **kw: Any) -> None:
     """Start coordinator, schedulers and engine nodes as separate processes here; stop with Ctrl-C.
 
     Every socket between them is CURVE-encrypted with keys generated for this run; the HTTP front door needs the
@@ -313,7 +342,7 @@ def local_cmd(model: str, engine_kind: str, split: str | None, instances: int, p
                              nodes)
     dep = LocalDeployment(model, layout, host=host, http_port=port, timing=_timing(kw),
                           log_dir=Path(log_dir) if log_dir else None, api_key=api_key, restart=restart,
-                          standby=True, engine=engine_kind,
+                          standby=True, endpoint=endpoint, engine=engine_kind,
                           vllm_launch=_vllm_launch(vllm_args),
                           kv_transfer=_local_kv_transfer(log_dir) if engine_kind == "vllm" and pd else {})
     stop = threading.Event()

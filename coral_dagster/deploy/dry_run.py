@@ -3,11 +3,11 @@
 A cluster kind is one role on one kind of machine in one region (resources, ports, and the envs its clusters
 share); `launch.sh` launches every cluster of the plan from its kind's YAML in launch order (`sky launch -c NAME
 --env …`), keeps each address the later clusters are wired to in a shell variable (one `sky status --ip` per
-wired cluster), and ends with the OpenAI URL clients call (the primary coordinator's, HTTPS unless `--plain-http`)
-and the standby's that takes over from it. SkyPilot's multi-task YAMLs (`---`-separated tasks
-run as a pipeline by `sky jobs launch`) run each task after the previous one has finished, which suits batch
-pipelines, not clusters that serve together and are wired by address; one YAML per kind plus a script keeps
-each file one ordinary `sky launch` task.
+wired cluster), and ends with the OpenAI URL clients call (the endpoint's, HTTPS unless `--plain-http`), which
+sends requests to the primary coordinator and, once it stops answering, to its standby. SkyPilot's multi-task
+YAMLs (`---`-separated tasks run as a pipeline by `sky jobs launch`) run each task after the previous one has
+finished, which suits batch pipelines, not clusters that serve together and are wired by address; one YAML per
+kind plus a script keeps each file one ordinary `sky launch` task.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Mapping
 
 from coral_dagster.deploy import tasks
-from coral_dagster.deploy.spec import COORDINATOR_SLOT, GPU_ROLES, NodeSpec
+from coral_dagster.deploy.spec import COORDINATOR_SLOT, CPU_ROLES, GPU_ROLES, NodeSpec
 from coral_dagster.files import SCRIPT_MODE, make_dir, write_file
 from coral_dagster.runtime.protocol import Env
 
@@ -46,15 +46,16 @@ class ClusterLaunch:
 @dataclass(frozen=True)
 class DryRun:
     """The kind YAMLs and `launch.sh` a dry run wrote; `launches` in order; `commands` what the script runs;
-    `endpoint` the OpenAI URL clients call and `failover` the standby's that serves once the primary is gone
-    (`<IP of CLUSTER>` where the cluster is not up yet; None without a coordinator)."""
+    `endpoint` the OpenAI URL clients call (the endpoint in front of the pair) and `coordinators` the pair's, primary
+    first, where the endpoint sends requests (`<IP of CLUSTER>` where the cluster is not up yet; None and () without
+    a coordinator)."""
 
     yaml_paths: tuple[Path, ...]
     script: Path
     launches: tuple[ClusterLaunch, ...]
     commands: tuple[str, ...]
     endpoint: str | None = None
-    failover: str | None = None
+    coordinators: tuple[str, ...] = ()
 
 
 def kind_name(node: NodeSpec) -> str:
@@ -143,34 +144,34 @@ def write_dry_run(diff: Diff, out_dir: Path) -> DryRun:
         if removal.instance_id != COORDINATOR_SLOT:
             commands.append(f"# drain {removal.instance_id} through the coordinator ({removal.reason}), then:")
         commands += [tasks.down_command(c) for c in removal.clusters]
+    front = [n.cluster_name for n in diff.front]
     urls = {c: tasks.http_url(addresses[c], url_scheme) if c in addresses else
-            f"{url_scheme}://<IP of {c}>:{tasks.HTTP_PORT}/v1" for c in diff.coordinator_clusters}
-    if any(n.role == "coordinator" for n in nodes):
-        shown = [f"{url_scheme}://{_shell_ip(c, addresses, wired_to)}:{tasks.HTTP_PORT}/v1"
-                 for c in diff.coordinator_clusters]
-        commands.append(f'echo "OpenAI API: {shown[0]} (api_key: \\$CORAL_API_KEY'
-                        + (f"; if it stops answering, its standby serves at {shown[1]}" if len(shown) > 1 else "")
-                        + ')"')
+            f"{url_scheme}://<IP of {c}>:{tasks.HTTP_PORT}/v1" for c in front}
+    if any(n.role in CPU_ROLES for n in nodes) and diff.endpoint is not None:
+        shown = f"{url_scheme}://{_shell_ip(diff.endpoint.cluster_name, addresses, wired_to)}:{tasks.HTTP_PORT}/v1"
+        commands.append(f'echo "OpenAI API: {shown} (api_key: \\$CORAL_API_KEY; it sends requests to the primary '
+                        'coordinator and, once that stops answering, to its standby)"')
     script = out_dir / "launch.sh"
     n_gpu = sum(n.role in GPU_ROLES for n in nodes)
     head = [
         "#!/usr/bin/env bash",
         f"# Written by `coral launch --dry-run`: {len(nodes)} cluster(s) ({n_gpu} GPU node(s)) from "
         f"{len(paths)} kind YAML(s) in this folder,",
-        "# launched in order: the coordinator pair, then each instance head first (a cluster starts after those whose",
-        "# addresses it is given). Secrets are read from this shell by name: export them first.",
+        "# launched in order: the coordinator pair and its endpoint, then each instance head first (a cluster starts",
+        "# after those whose addresses it is given). Secrets are read from this shell by name: export them first.",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
         f'address() {{ echo "tcp://$(sky status --ip "$1"):{tasks.CORAL_PORT}"; }}',
         'host() { local a="${1#tcp://}"; echo "${a%:*}"; }',
     ]
     write_file(script, "\n".join(head + commands) + "\n", SCRIPT_MODE, fix=OUT_FIX)
-    pair = [urls[c] for c in diff.coordinator_clusters]
-    return DryRun(tuple(paths.values()), script, tuple(launches), tuple(commands), *(pair + [None, None])[:2])
+    return DryRun(tuple(paths.values()), script, tuple(launches), tuple(commands),
+                  urls[diff.endpoint.cluster_name] if diff.endpoint is not None else None,
+                  tuple(urls[c] for c in diff.coordinator_clusters))
 
 
 def _shell_ip(cluster: str, addresses: Mapping[str, str], wired_to: set[str]) -> str:
-    """A coordinator's IP as launch.sh knows it: recorded, held in its address variable, or asked of SkyPilot."""
+    """A cluster's IP as launch.sh knows it: recorded, held in its address variable, or asked of SkyPilot."""
     if cluster in addresses:
         return tasks.endpoint_ip(addresses[cluster])
     if cluster in wired_to:

@@ -45,6 +45,11 @@ def coordinator_name(plan_id: str) -> str:
     return f"coral-{plan_tag(plan_id)}-coord"
 
 
+def endpoint_name(plan_id: str) -> str:
+    """The endpoint's cluster (HAProxy in front of the coordinator pair), named as the coordinator is."""
+    return f"coral-{plan_tag(plan_id)}-endpoint"
+
+
 def engine_name(plan_id: str, model: str, phase: str, instance: int, stage: int, node: int) -> str:
     """Engine node `node` of stage `stage` of instance number `instance` of a plan."""
     return _fit(model, f"{plan_tag(plan_id)}-i{instance}{PHASE_LETTER[phase]}-s{stage}n{node}")

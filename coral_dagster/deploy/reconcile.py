@@ -19,8 +19,8 @@ from coral_dagster.deploy import state, tasks
 from coral_dagster.deploy.launcher import Drainer, Launcher, LaunchRequest
 from coral_dagster.deploy.names import plan_tag
 from coral_dagster.deploy.spec import (
-    COORDINATOR_SLOT, InstanceShape, InstanceSpec, NodeSpec, build_coordinators, build_instance, coordinator_region,
-    instance_shapes,
+    COORDINATOR_SLOT, CPU_ROLES, InstanceShape, InstanceSpec, NodeSpec, build_coordinators, build_instance,
+    coordinator_region, instance_shapes,
 )
 from coral_dagster.errors import CoralError
 from coral_dagster.store import Store
@@ -42,8 +42,8 @@ class Diff:
     """What one reconcile does: nodes to launch (new or resumed), instances to remove, instances left alone.
 
     `addresses` are the recorded `tcp://ip:port` of clusters already up; `coordinator` and `standby` are the live
-    or new coordinator pair (None when the plan is empty); `plain_http` whether they serve plain HTTP
-    (`coral launch --plain-http`) rather than HTTPS.
+    or new coordinator pair and `endpoint` the HAProxy in front of it (None when the plan is empty); `plain_http`
+    whether they serve plain HTTP (`coral launch --plain-http`) rather than HTTPS.
     """
 
     plan_id: str
@@ -54,15 +54,22 @@ class Diff:
     addresses: Mapping[str, str] = field(default_factory=dict)
     standby: NodeSpec | None = None
     plain_http: bool = False
+    endpoint: NodeSpec | None = None
 
     @property
     def coordinators(self) -> tuple[NodeSpec, ...]:
         """The planned coordinator pair, primary first."""
         return tuple(n for n in (self.coordinator, self.standby) if n is not None)
 
+    @property
+    def front(self) -> tuple[NodeSpec, ...]:
+        """The coordinator pair and its endpoint, in launch order (the endpoint is given both addresses)."""
+        return self.coordinators + ((self.endpoint,) if self.endpoint is not None else ())
+
     def nodes_to_launch(self) -> list[NodeSpec]:
-        """Nodes not yet up, in launch order: the coordinator pair, then each instance in its launch order."""
-        nodes = list(self.coordinators)
+        """Nodes not yet up, in launch order: the coordinator pair and its endpoint, then each instance in its
+        launch order."""
+        nodes = list(self.front)
         nodes += [n for inst in self.launch for n in inst.nodes]
         return [n for n in nodes if n.cluster_name not in self.addresses]
 
@@ -118,7 +125,7 @@ class _Recorded:
 
 
 def _recorded_instances(records: pd.DataFrame) -> list[_Recorded]:
-    rows = records[records.role != "coordinator"]
+    rows = records[~records.role.isin(CPU_ROLES)]
     return [_Recorded(str(iid), g) for iid, g in rows.groupby("instance_id", sort=True)]
 
 
@@ -178,17 +185,18 @@ def plan_diff(plan: Plan, plan_id: str, records: pd.DataFrame, prices: pd.DataFr
     up = records[(records.status == "launched") & records.address.notna()]
     removals.sort(key=lambda r: (r.instance_id == COORDINATOR_SLOT, r.instance_id))
     launch.sort(key=lambda i: (i.plan_id != plan_id, i.plan_id, i.index))
-    primary, standby = pair if pair else (None, None)
+    primary, standby, endpoint = pair if pair else (None, None, None)
     return Diff(plan_id, primary, tuple(launch), tuple(removals), tuple(sorted(keep)),
                 dict(zip(up.cluster_name, up.address)), standby,
-                plain_http if primary is None else primary.phase != tasks.HTTPS_SCHEME)
+                plain_http if primary is None else primary.phase != tasks.HTTPS_SCHEME, endpoint)
 
 
 def _coordinator_diff(shapes: tuple[InstanceShape, ...], plan_id: str, records: pd.DataFrame,
-                      removals: list[Removal], plan: Plan, plain_http: bool) -> tuple[NodeSpec, NodeSpec] | None:
-    """Keep a live coordinator pair while any instance is planned (starting whichever of the pair is not live, with
-    the scheme the live one serves), start a pair when none is live, remove them otherwise."""
-    rows = records[records.role == "coordinator"]
+                      removals: list[Removal], plan: Plan,
+                      plain_http: bool) -> tuple[NodeSpec, NodeSpec, NodeSpec] | None:
+    """Keep a live coordinator pair and its endpoint while any instance is planned (starting whichever is not live,
+    with the scheme the live ones serve), start all three when none is live, remove them otherwise."""
+    rows = records[records.role.isin(CPU_ROLES)]
     for r in rows[rows.status == "draining"].itertuples():
         removals.append(Removal(COORDINATOR_SLOT, (r.cluster_name,), "removal left unfinished by an earlier run"))
     live = rows[rows.status.isin(state.ACTIVE)]
@@ -254,9 +262,10 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
               engine: str = "coral", plain_http: bool = False) -> ReconcileReport:
     """Make the running deployment match `plan`; running it again with the same plan changes nothing.
 
-    Order: the coordinator pair (whichever is not live: primary, then the standby wired to it), then every new or
-    unfinished instance (each scheduler wired to both), then removals, so capacity rises before it falls. Raises
-    `CoralError` only when a coordinator cannot start. A fresh pair serves HTTPS unless `plain_http`.
+    Order: the coordinator pair and its endpoint (whichever is not live: primary, the standby wired to it, the
+    endpoint wired to both), then every new or unfinished instance (each scheduler wired to both coordinators),
+    then removals, so capacity rises before it falls. Raises `CoralError` only when one of the three cannot start.
+    A fresh pair and endpoint serve HTTPS unless `plain_http`.
     """
     if prices is None:
         from coral_dagster.catalog.prices import load_node_prices
@@ -277,7 +286,7 @@ def reconcile(plan: Plan, plan_id: str, store: Store, launcher: Launcher, draine
 
     coordinator = diff.coordinator_cluster
     live = coordinator in run.addresses
-    for node in diff.coordinators:
+    for node in diff.front:
         if node.cluster_name not in run.addresses:
             _launch_coordinator(node, launcher, run, len(diff.keep))
     for inst in diff.launch:
@@ -304,8 +313,8 @@ def _launch_node(node: NodeSpec, coordinators: tuple[str, ...], launcher: Launch
 
 
 def _launch_coordinator(node: NodeSpec, launcher: Launcher, run: _Run, kept: int) -> None:
-    """Start a coordinator of the pair; without both no instance is wired to survive losing one, so a failure ends
-    the run (instances stay pending)."""
+    """Start a coordinator of the pair or their endpoint; without all three no instance is wired to survive losing
+    one, nor reached at one URL, so a failure ends the run (instances stay pending)."""
     try:
         _launch_node(node, (), launcher, run)
     except Exception as exc:
@@ -393,10 +402,11 @@ def _remove(removal: Removal, coordinator: str | None, launcher: Launcher, drain
 
 
 def teardown_removals(records: pd.DataFrame) -> tuple[Removal, ...]:
-    """Every recorded cluster that is not down yet, by instance, the coordinator pair last (it drains the others)."""
+    """Every recorded cluster that is not down yet, by instance, the coordinator pair and endpoint last (the
+    others drain through them)."""
     removals = [Removal(r.instance_id, r.open_clusters, "coral down") for r in _recorded_instances(records)
                 if r.open_clusters]
-    coord = records[(records.role == "coordinator") & ~records.status.isin(state.SETTLED)]
+    coord = records[records.role.isin(CPU_ROLES) & ~records.status.isin(state.SETTLED)]
     if not coord.empty:
         removals.append(Removal(COORDINATOR_SLOT, tuple(sorted(coord.cluster_name)), "coral down"))
     return tuple(removals)

@@ -1,4 +1,5 @@
-"""A plan as nodes to run: a cluster per GPU node (an instance's first also runs its scheduler), a coordinator pair."""
+"""A plan as nodes to run: a cluster per GPU node (an instance's first also runs its scheduler), a coordinator pair
+and the endpoint in front of it."""
 
 from __future__ import annotations
 
@@ -19,14 +20,17 @@ from coral_dagster.runtime.protocol import Env
 from coral_dagster.templates.engines import KV_ROLES, engine_connector, vllm_kv_transfer_config, vllm_violations
 from coral_dagster.templates.types import Template
 
-Role = Literal["coordinator", "engine", "vllm"]
-# Roles whose clusters carry GPUs (planned and priced); the coordinators are CPU VMs.
+Role = Literal["coordinator", "endpoint", "engine", "vllm"]
+# Roles whose clusters carry GPUs (planned and priced); the coordinators and the endpoint are CPU VMs.
 GPU_ROLES: tuple[Role, ...] = ("engine", "vllm")
+CPU_ROLES: tuple[Role, ...] = ("coordinator", "endpoint")
 COORDINATOR_SLOT = "coordinator"
 # The coordinator pair's slots: the primary serves, the standby (told the primary's address) takes over when the
-# primary stops answering its health probe; every scheduler is given both addresses.
+# primary stops answering its health probe; every scheduler is given both addresses. The endpoint (HAProxy, told
+# both) is the one URL clients call.
 PRIMARY_SLOT = "primary"
 STANDBY_SLOT = "standby"
+ENDPOINT_SLOT = "endpoint"
 # One port for every Coral process; SkyPilot opens it on each cluster so stages can reach each other.
 CORAL_PORT = 5555
 # The coordinator's OpenAI-compatible HTTP front door, opened to clients (they send the deployment's API key).
@@ -307,13 +311,14 @@ def coordinator_region(shapes: tuple[InstanceShape, ...]) -> str:
 
 
 def build_coordinators(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
-                       plan: Plan | None = None, plain_http: bool = False) -> tuple[NodeSpec, NodeSpec]:
-    """The deployment's coordinator pair (request router and drain point), CPU VMs the price rows do not price:
-    the primary, then a warm standby wired to the primary's address (`CORAL_PRIMARY`) that serves once the
-    primary fails its health probe. Both list the models of `shapes` before their instances register and admit
-    the request rates and bucket depths of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator --admit`)
-    where it serves less than the demand. They serve HTTPS unless `plain_http` (`CORAL_PLAIN_HTTP=1`); the
-    scheme is kept in `phase`, which a coordinator otherwise leaves empty."""
+                       plan: Plan | None = None, plain_http: bool = False) -> tuple[NodeSpec, NodeSpec, NodeSpec]:
+    """The deployment's coordinator pair (request router and drain point) and its endpoint, CPU VMs the price rows
+    do not price: the primary, a warm standby wired to the primary's address (`CORAL_PRIMARY`) that serves once the
+    primary fails its health probe, and the endpoint wired to both (`CORAL_COORDINATOR`, primary first), HAProxy
+    sending requests to whichever serves. The pair lists the models of `shapes` before their instances register
+    and admits the request rates and bucket depths of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator
+    --admit`) where it serves less than the demand. All three serve HTTPS unless `plain_http`
+    (`CORAL_PLAIN_HTTP=1`); the scheme is kept in `phase`, which they otherwise leave empty."""
     from coral_dagster.runtime.config import format_admit
 
     envs: dict[str, str] = {Env.MODEL: " ".join(sorted({s.template.model for s in shapes}))}
@@ -326,8 +331,11 @@ def build_coordinators(plan_id: str, region: str, shapes: tuple[InstanceShape, .
     standby = f"{primary}-b"
     common: dict[str, Any] = dict(role="coordinator", instance_id=COORDINATOR_SLOT, plan_id=plan_id, region=region,
                                   phase="http" if plain_http else "https", envs=_env_items(envs))
+    front = dict(common, role="endpoint", envs=_env_items({"CORAL_PLAIN_HTTP": "1"} if plain_http else {}))
     return (NodeSpec(cluster_name=primary, slot=PRIMARY_SLOT, **common),
-            NodeSpec(cluster_name=standby, slot=STANDBY_SLOT, wires=(("CORAL_PRIMARY", (primary,)),), **common))
+            NodeSpec(cluster_name=standby, slot=STANDBY_SLOT, wires=(("CORAL_PRIMARY", (primary,)),), **common),
+            NodeSpec(cluster_name=names.endpoint_name(plan_id), slot=ENDPOINT_SLOT,
+                     wires=(("CORAL_COORDINATOR", (primary, standby)),), **front))
 
 
 def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ...] = (),
@@ -337,7 +345,8 @@ def build_coordinator(plan_id: str, region: str, shapes: tuple[InstanceShape, ..
 
 
 def deployment_nodes(plan: Plan, plan_id: str, prices: pd.DataFrame, engine: str = "coral") -> tuple[NodeSpec, ...]:
-    """Every cluster of the plan deployed from nothing, in launch order: the coordinator pair, then each instance."""
+    """Every cluster of the plan deployed from nothing, in launch order: the coordinator pair and its endpoint, then
+    each instance."""
     shapes = instance_shapes(plan, prices, engine)
     if not shapes:
         return ()

@@ -8,7 +8,7 @@ from typing import Iterable, Literal
 import duckdb
 import pandas as pd
 
-from coral_dagster.deploy.spec import NodeSpec
+from coral_dagster.deploy.spec import CPU_ROLES, NodeSpec
 from coral_dagster.store import Store
 
 NodeStatus = Literal["pending", "launched", "draining", "down", "failed"]
@@ -119,16 +119,16 @@ def finish_run(con: duckdb.DuckDBPyConnection, run_id: str, status: str, *, laun
 
 def summarize(nodes: pd.DataFrame, runs: pd.DataFrame) -> dict:
     """The deployment at a glance: live plan(s), node counts by status and role, $/h of the GPU nodes up and the
-    clusters up without a price (the coordinator's CPU VM)."""
+    clusters up without a price (the CPU VMs of the coordinators and the endpoint)."""
     live = nodes[nodes.status.isin([*ACTIVE, "draining"])]
     up = nodes[nodes.status == "launched"]
     last = runs.iloc[-1] if len(runs) else None
     return {
         "plans": sorted(set(live.plan_id)),
-        "instances": int(live[live.role != "coordinator"].instance_id.nunique()),
+        "instances": int(live[~live.role.isin(CPU_ROLES)].instance_id.nunique()),
         "nodes_by_status": {str(k): int(v) for k, v in nodes.status.value_counts().sort_index().items()},
         "live_nodes_by_role": {str(k): int(v) for k, v in live.role.value_counts().sort_index().items()},
-        "gpu_usd_per_hour": float(up[up.role != "coordinator"].usd_per_hour.sum()),
+        "gpu_usd_per_hour": float(up[~up.role.isin(CPU_ROLES)].usd_per_hour.sum()),
         "unpriced_clusters": sorted(up[up.usd_per_hour.isna()].cluster_name),
         "last_run": None if last is None else {
             "run_id": str(last.run_id), "plan_id": str(last.plan_id), "status": str(last.status),

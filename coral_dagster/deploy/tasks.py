@@ -27,10 +27,12 @@ def _read_role_yaml(role: str) -> str:
 
 
 def role_template(role: str) -> dict[str, Any]:
-    """The checked-in task of a role (`engine`, `vllm`, `coordinator`), as a fresh dict."""
+    """The checked-in task of a role (`engine`, `vllm`, `coordinator`, `endpoint`), as a fresh dict; a role without
+    secrets (the endpoint) may leave the section out."""
     doc = yaml.safe_load(_read_role_yaml(role))
     path = SKY_TASKS_DIR / f"{role}.yaml"
-    for key in ("envs", "secrets", "resources", "run"):
+    doc.setdefault("secrets", {})
+    for key in ("envs", "resources", "run"):
         if not doc.get(key):
             raise CatalogError(path, "-", key, "missing", f"give the task a {key} section")
     if not isinstance(doc["resources"].get("disk_size"), int):
@@ -63,10 +65,12 @@ def wiring(node: NodeSpec, coordinators: tuple[str, ...]) -> dict[str, tuple[str
 
 def ports(node: NodeSpec) -> int | list[int]:
     """The ports a node's cluster opens: Coral's, plus vLLM's master port (vLLM nodes) and NixlConnector's
-    handshake port (its PD instances' nodes), the engine's own beside the scheduler's (a Coral-runtime head), or
-    the HTTP front door clients call (the coordinator)."""
+    handshake port (its PD instances' nodes), the engine's own beside the scheduler's (a Coral-runtime head), the
+    HTTP front door (the coordinator, which the endpoint calls), or only the URL clients call (the endpoint)."""
     if node.role == "coordinator":
         return [CORAL_PORT, HTTP_PORT]
+    if node.role == "endpoint":
+        return [HTTP_PORT]
     if node.role == "vllm":
         nixl = [NIXL_SIDE_CHANNEL_PORT] if "VLLM_NIXL_SIDE_CHANNEL_PORT" in node.env() else []
         return [CORAL_PORT, VLLM_MASTER_PORT, *nixl]

@@ -13,8 +13,9 @@ import socket
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from coral_dagster.runtime import credentials, groups, roles
 from coral_dagster.runtime.client import Client
 from coral_dagster.layer_split import stage_ranges
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
+from coral_dagster.runtime.endpoint import run_endpoint
 from coral_dagster.runtime.protocol import Env
 from coral_dagster.runtime.security import CurveKeys, tcp_endpoint, write_secret
 
@@ -143,7 +145,9 @@ class LocalDeployment:
     With `standby`, a second coordinator waits warm beside the serving one and takes over its ports (the same
     endpoint) the moment it dies, kill -9 included; the schedulers register with it on their next heartbeat, and a
     new standby is started. Requests in flight on the dead one fail with their connections (none is answered twice:
-    the new coordinator drops whatever the instances still send for them).
+    the new coordinator drops whatever the instances still send for them). With `endpoint` as well, the pair runs
+    as `coral launch` deploys it: each coordinator on ports of its own, every scheduler given both, and HAProxy
+    (`runtime/endpoint.py`) on `http_port` in front, sending requests to whichever serves.
 
     Every socket is CURVE-encrypted with keys generated for this deployment, and the HTTP front door needs an API
     key (generated unless given) written to `<log_dir>/api_key`. A supervisor kills whatever an exited process
@@ -161,6 +165,7 @@ class LocalDeployment:
     api_key: str | None = None
     restart: bool = True
     standby: bool = False
+    endpoint: bool = False
     backoff_s: float = 0.5
     max_backoff_s: float = 30.0
     # "vllm": each instance is one vLLM head (its split is vLLM's partition) behind a one-stage scheduler.
@@ -177,7 +182,11 @@ class LocalDeployment:
 
     def __post_init__(self) -> None:
         self.http_port = self.http_port or free_port(self.host)
-        self.zmq_port = free_port(self.host)
+        if self.endpoint and not self.standby:
+            raise CoralError("an endpoint in front of one coordinator adds nothing.", "run the endpoint with a standby")
+        serving = (free_port(self.host), free_port(self.host) if self.endpoint else self.http_port)
+        # (ZeroMQ port, HTTP port) of the serving coordinator, then of its standby: the same pair without `endpoint`.
+        self.pair = [serving, (free_port(self.host), free_port(self.host)) if self.endpoint else serving]
         self.keys = CurveKeys.generate()
         self.registration_key = credentials.generate()
         self.api_key = self.api_key or secrets.token_urlsafe(32)
@@ -197,11 +206,20 @@ class LocalDeployment:
 
     @property
     def coordinator(self) -> str:
-        return tcp_endpoint(self.host, self.zmq_port)
+        """The serving coordinator's ZeroMQ address."""
+        return tcp_endpoint(self.host, self.pair[0][0])
+
+    @property
+    def coordinators(self) -> str:
+        """What schedulers are given: the pair's addresses (one, when the standby takes over the same ports)."""
+        return ",".join(dict.fromkeys(tcp_endpoint(self.host, z) for z, _ in self.pair))
+
+    def _url(self, port: int | None) -> str:
+        return f"http://[{self.host}]:{port}" if ":" in self.host else f"http://{self.host}:{port}"
 
     @property
     def http_url(self) -> str:
-        return f"http://[{self.host}]:{self.http_port}" if ":" in self.host else f"http://{self.host}:{self.http_port}"
+        return self._url(self.http_port)
 
     def spawn(self, name: str, target: Callable[..., None], kwargs: dict[str, Any],
               own_children: bool = False) -> None:
@@ -255,16 +273,19 @@ class LocalDeployment:
         """Launch the coordinator, then each instance's scheduler and engine nodes, and supervise them."""
         t, vllm = self.timing, self.engine == "vllm"
         self.spawn("coordinator", roles.run_coordinator, {"cfg": CoordinatorConfig(
-            listen=self.coordinator, http_host=self.host, http_port=self.http_port, models=(self.model,),
+            listen=self.coordinator, http_host=self.host, http_port=self.pair[0][1], models=(self.model,),
             max_retries=self.max_retries, api_key=self.api_key, timing=t)})
         if self.standby:
             self._spawn_standby()
+        if self.endpoint:
+            self.spawn("endpoint", run_endpoint, {"upstreams": [self._url(h) for _, h in self.pair],
+                                                  "host": self.host, "port": self.http_port, "config_dir": self.log_dir})
         n_layers = roles.model_layers(self.model)
         for inst in self.instances:
             listen = tcp_endpoint(self.host, free_port(self.host))
             self.spawn(f"{inst.name}.scheduler", roles.run_scheduler, {"cfg": SchedulerConfig(
                 instance=inst.name, model=self.model, phase=inst.phase, split=(n_layers,) if vllm else inst.split,
-                n_layers=n_layers, coordinator=self.coordinator, listen=listen, tokens_per_s=inst.tokens_per_s,
+                n_layers=n_layers, coordinator=self.coordinators, listen=listen, tokens_per_s=inst.tokens_per_s,
                 timing=t, limits=roles.model_limits(self.model))})
             if vllm:
                 node = f"{inst.name}.vllm"
@@ -292,9 +313,11 @@ class LocalDeployment:
         return f"coordinator.standby{self.restarts.get('coordinator', 0)}"
 
     def _spawn_standby(self) -> None:
-        cfg = self._roles["coordinator"][1]["cfg"]
+        zmq_port, http_port = self.pair[1]
+        cfg = replace(self._roles["coordinator"][1]["cfg"], listen=tcp_endpoint(self.host, zmq_port),
+                      http_port=http_port)
         self.spawn(self._standby_name, standby_coordinator, {"cfg": cfg, "primary": _pid(self.procs["coordinator"]),
-                                                             "ports": (self.zmq_port, self.http_port)})
+                                                             "ports": self.pair[1]})
 
     def _promote_standby(self) -> None:
         """The standby now serves (its primary died): it becomes the coordinator, and a new standby waits on it."""
@@ -303,6 +326,7 @@ class LocalDeployment:
         self.pidfds["coordinator"] = self.pidfds.pop(name)
         self._roles["coordinator"] = self._roles.pop(name)
         self.restarts["coordinator"] = self.restarts.get("coordinator", 0) + 1
+        self.pair.reverse()
         log.warning("the standby coordinator took over; starting a new standby")
         self._spawn_standby()
 
@@ -324,8 +348,24 @@ class LocalDeployment:
                 except CoralError:
                     if time.monotonic() > deadline:
                         raise
+        if self.endpoint:
+            self._wait_endpoint(deadline)
         self._ready.set()
         return status
+
+    def _wait_endpoint(self, deadline: float) -> None:
+        """Block until the endpoint passes a request through to a serving coordinator (`/ping` answers 200)."""
+        while True:
+            try:
+                with urllib.request.urlopen(f"{self.http_url}/ping", timeout=1.0) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.exitcode("endpoint") is not None:
+                raise CoralError(f"the endpoint at {self.http_url} never reached a coordinator; logs in "
+                                 f"{self.log_dir}.", "read endpoint.log; the first error names the fix")
+            time.sleep(0.1)
 
     def supervise(self) -> None:
         """Start the supervisor thread (once)."""

@@ -235,6 +235,10 @@ class Env(StrEnum):
     # watches and takes over from (sky_tasks/coordinator.yaml reads both).
     PLAIN_HTTP = "CORAL_PLAIN_HTTP"
     PRIMARY = "CORAL_PRIMARY"
+    # The endpoint's task (sky_tasks/endpoint.yaml): its certificate and key in one PEM, and the port of the
+    # coordinators' front doors it sends requests to (it is given their addresses in CORAL_COORDINATOR).
+    TLS_PEMFILE = "CORAL_TLS_PEMFILE"
+    COORDINATOR_HTTP_PORT = "CORAL_COORDINATOR_HTTP_PORT"
     # Coordinator and the launching machine: the key every instance credential derives from.
     REGISTRATION_KEY = "CORAL_REGISTRATION_KEY"
     # Scheduler.
