@@ -2,11 +2,13 @@
 with admission control.
 
 For each scenario, availability level and mode (uniform `scale`, max-min `fair`), every method plans what it can
-serve; the router admits per model only the request rate the plan serves and sheds the rest (429); the plan is
-simulated on the scenario's own traces (one window per seed). Goodput is tokens/s of requests meeting both SLOs;
+serve; the router admits per model only the share of its requests the plan serves (its served fraction, counted
+request by request, and no faster than the plan's capacity carries) and sheds the rest (429); the plan is simulated
+on the scenario's own traces (one window per seed). Goodput is tokens/s of requests meeting both SLOs;
 "fluid" is what the plan promises: each model's served share of its requests (`fluid_goodput`) times the tokens/s
-the simulation offered of it. The admission bucket holds each model's trace bursts (`admit_depth_req`); with
-`--ablate-depth` the same plan is also simulated with a bucket of 10 s of its rate (`*_10s_bucket` columns). The
+the simulation offered of it. The share bucket saves credit for each model's trace bursts (`admit_depth_req`),
+behind a second bucket at the rate the plan's capacity carries; with `--ablate-depth` the same plan is also
+simulated saving 10 s of its rate and without the second bucket (`*_10s_bucket` columns). The
 ratios Coral/Cauchy and Coral/Homo are of simulated goodput (paper, extended: 2.39× and 7.64×). `--windows`
 replays the scenario's availability series (data/scenarios/MARKET.md §5): each level is applied to each window's
 counts (`all`: every window). Per model, the share the plan promises (its served fraction) beside the share the
@@ -73,8 +75,9 @@ def evaluate(plan, scn, seeds, duration_s: float) -> dict:
 
 def promise(plan, ev) -> dict:
     """Per model: the share promised, the delivered shares over seeds (requests, tokens) and their ratios to it;
-    the requests/s served and offered per seed, and served over the rate the plan admits (the admission keeps that
-    rate: a window offering more or less than the plan's demand gets its rate, so a smaller or larger share)."""
+    the requests/s served and offered per seed, and served over the rate the plan admits at its demand (the
+    admission keeps the share, so a window offering more or less than the plan's demand is served more or less
+    than that rate)."""
     promised = fluid_goodput(plan).per_model
     out = {}
     for model, share in sorted(promised.items()):

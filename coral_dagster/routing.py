@@ -14,7 +14,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping, Sequence
 
+from coral_dagster.vocab import DEMAND_PHASES
+
 ENTRY_PHASES = ("prefill", "aggregated")
+# Share credit is a sum of floats: an arrival that brings it within this of a whole request takes it.
+CREDIT_TOLERANCE = 1e-9
 
 
 class WeightedRoundRobin:
@@ -138,44 +142,59 @@ def plan_shares(plan) -> dict[str, dict[str, float]]:
 
 
 class Admission:
-    """Admission control under scarcity: per model a token bucket refilling at the request rate the plan serves and
-    holding `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s` seconds of the
-    rate where none is given), and where `peaks` gives one, a second bucket (rate, depth) at most at the request
-    rate the plan's capacity carries, so a burst let in by the first arrives no faster than the plan can serve it
-    within its SLO (`capacity.peak_bucket`). Buckets start full, except that the first starts holding no more than
-    the second: the first is credit a model saves while it sends below its rate, and started full a deep one lets a
-    model past its share for as long as its depth lasts (a third over it in the first ten minutes). A request that
-    finds a bucket empty is shed at once (the front door answers 429 with Retry-After), so the admitted ones keep
-    their SLO. A model at rate 0 (the plan serves none of it) is always shed; models without a rate are always
-    admitted."""
+    """Admission control under scarcity, per model two token buckets; a request is admitted when each holds a
+    token, and takes one from each. The first keeps the plan's share: where `shares` gives one, every request the
+    model sends credits it with that share (the plan's served fraction), so the model is admitted that share of
+    what it sends, whether it sends more or less than the plan's demand; credit the second bucket keeps it from
+    using is saved up to `depths_req` requests (the burst of the model's trace the plan was sized for; `burst_s`
+    seconds of its rate where none is given) and spent as the second allows. Without a share, the first refills at
+    the request rate the plan serves (`rates_req_s`) and holds `depths_req`. The second, where `peaks` gives one
+    (rate, depth), refills at most at the request rate the plan's capacity carries, so what the first lets in
+    arrives no faster than the plan can serve it within its SLO (`capacity.peak_bucket`). A share bucket starts
+    empty and the second full; a rate bucket starts holding no more than the second (started full, a deep one lets
+    a model past its rate for as long as its depth lasts). A request that finds a bucket empty is shed at once (the
+    front door answers 429 with Retry-After), so the admitted ones keep their SLO. A model at rate or share 0 (the
+    plan serves none of it) is always shed; models without a rate are always admitted."""
 
     def __init__(self, rates_req_s: Mapping[str, float], depths_req: Mapping[str, float] | None = None,
-                 peaks: Mapping[str, Sequence[float]] | None = None, burst_s: float = 10.0) -> None:
+                 peaks: Mapping[str, Sequence[float]] | None = None, burst_s: float = 10.0,
+                 shares: Mapping[str, float] | None = None) -> None:
         self.rates = {m: float(r) for m, r in rates_req_s.items() if r >= 0}
+        self.shares = {m: float(s) for m, s in (shares or {}).items() if m in self.rates}
         self.depths = {m: max(1.0, float((depths_req or {}).get(m, r * burst_s))) if r > 0 else 0.0
                        for m, r in self.rates.items()}
         peaks = peaks or {}
         self._buckets = {m: [(r, self.depths[m])] + ([(float(peaks[m][0]), max(1.0, float(peaks[m][1])))]
                                                       if m in peaks else []) for m, r in self.rates.items()}
-        # The first bucket is credit saved in lulls; a model starts with none beyond the burst the second admits.
-        self._tokens = {m: [min(d for _, d in b)] + [d for _, d in b[1:]] for m, b in self._buckets.items()}
+        self._tokens = {m: [0.0 if m in self.shares else min(d for _, d in b)] + [d for _, d in b[1:]]
+                        for m, b in self._buckets.items()}
         self._last: dict[str, float] = {}
 
     def _refill(self, model: str, now_s: float) -> list[float]:
         last = self._last.get(model, now_s)
         elapsed = max(0.0, now_s - last)
-        self._tokens[model] = [min(d, t + elapsed * r) for (r, d), t in zip(self._buckets[model], self._tokens[model])]
+        by_arrival = model in self.shares
+        self._tokens[model] = [t if k == 0 and by_arrival else min(d, t + elapsed * r)
+                               for k, ((r, d), t) in enumerate(zip(self._buckets[model], self._tokens[model]))]
         self._last[model] = max(last, now_s)
         return self._tokens[model]
 
     def admit(self, model: str, now_s: float) -> bool:
-        """Take one request's token from each of the model's buckets if every one has one."""
+        """Credit the model's share bucket with its share (if it has one), then take one request's token from each
+        of its buckets if every one has one; share credit beyond the depth is dropped."""
         if model not in self.rates:
             return True
-        if min(self._refill(model, now_s)) >= 1.0:
-            self._tokens[model] = [t - 1.0 for t in self._tokens[model]]
-            return True
-        return False
+        tokens = self._refill(model, now_s)
+        share = self.shares.get(model)
+        if share is not None:
+            tokens[0] += share
+        need = 1.0 - (CREDIT_TOLERANCE if share is not None else 0.0)
+        admitted = tokens[0] >= need and all(t >= 1.0 for t in tokens[1:])
+        if admitted:
+            tokens[:] = [t - 1.0 for t in tokens]
+        if share is not None:
+            tokens[0] = min(tokens[0], self.depths[model])
+        return admitted
 
     def admits(self, model: str, arrivals_s: Iterable[float]) -> list[bool]:
         """Which of the model's requests arriving at `arrivals_s` (in order) are admitted, one `admit` each."""
@@ -184,13 +203,34 @@ class Admission:
     def limits(self, model: str) -> str:
         """The model's admission limits in words, for the message of a shed request."""
         (rate, depth), *peak = self._buckets[model]
-        text = f"{rate:.3g} req/s with bursts of up to {depth:.0f} requests"
+        if model in self.shares:
+            text = (f"{self.shares[model]:.1%} of the requests it sends ({rate:.3g} req/s at the plan's demand), "
+                    f"saving up to {depth:.0f} requests' credit")
+        else:
+            text = f"{rate:.3g} req/s with bursts of up to {depth:.0f} requests"
         return text + "".join(f", at most {r:.3g} req/s over {d:.0f} requests" for r, d in peak)
 
     def retry_after_s(self, model: str, now_s: float) -> float:
-        """Seconds until every one of the model's buckets holds a token again."""
+        """Seconds until every one of the model's buckets holds a token again (a share bucket's credit counted at
+        the rate its share of the plan's demand brings)."""
         if model not in self.rates:
             return 0.0
         waits = [max(0.0, 1.0 - t) / r if r > 0 else (60.0 if t < 1.0 else 0.0)
                  for (r, _), t in zip(self._buckets[model], self._refill(model, now_s))]
         return max(waits)
+
+
+def admission_shares(plan) -> dict[str, float]:
+    """Per model a plan (`.admission`, `.served_fraction()`) admits less of than its demand, the share it promises:
+    the least served fraction over the demand's phases."""
+    served = plan.served_fraction()
+    return {m: min([served.get((m, p), 1.0) for p in DEMAND_PHASES]) for m in sorted(plan.admission.admit_req_s)}
+
+
+def plan_admission(plan) -> Admission | None:
+    """The admission a plan's limits configure, each limited model held to its promised share of what it sends
+    (`admission_shares`); None where the plan limits no model."""
+    adm = plan.admission
+    if not adm.limits:
+        return None
+    return Admission(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak, shares=admission_shares(plan))

@@ -73,3 +73,16 @@ def vllm_node_env(request) -> dict[str, str]:
         return build_node_env()
     except RuntimeError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def hf(tmp_path_factory):
+    """Hugging Face transformers' `LlamaForCausalLM` on the tiny model's exported weights: the oracle the torch
+    engine's answers are checked against."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from coral_dagster.runtime.hf_export import export_tiny
+    from support.openai_stack import MODEL
+
+    path = export_tiny(MODEL, tmp_path_factory.mktemp("hf"))
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -10,7 +10,7 @@ import pytest
 from coral_dagster.allocation.planner import with_admission
 from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.catalog.traces import load_trace
-from coral_dagster.routing import Admission
+from coral_dagster.routing import Admission, admission_shares
 from support.admission_plans import aggregated_plan as _aggregated_plan
 
 RATE, WINDOW_S = 10.0, 600.0
@@ -47,11 +47,12 @@ def _worst_window(arrival, work, budget, capacity, first, last) -> float:
 
 def _direct(plan, model, share, factors, peak):
     """The worst window share met over the phases when the plan's buckets (the second one `peak`) admit from
-    three loops of the model's whole trace, windows starting anywhere in the first two (from the start: buckets
-    full, queues empty), each phase one FIFO queue of the plan's capacity (served share × capacity factor × the
-    trace's mean work rate)."""
+    three loops of the model's whole trace, windows starting anywhere in the first two (from the start: the share
+    bucket empty, the second full, queues empty), each phase one FIFO queue of the plan's capacity (served share ×
+    capacity factor × the trace's mean work rate)."""
     arrival, prompt, output, n = _replayed(model.trace, 3)
-    buckets = Admission(plan.admission.admit_req_s, plan.admission.admit_depth_req, {model.model: peak})
+    buckets = Admission(plan.admission.admit_req_s, plan.admission.admit_depth_req, {model.model: peak},
+                        shares=admission_shares(plan))
     keep = np.array(buckets.admits(model.model, arrival.tolist()))
     t = arrival[keep]
     first, last = 0, np.searchsorted(t, arrival[2 * n])
@@ -70,8 +71,8 @@ def _passed(plan, model, peak) -> int:
     bucket `peak` admit (None: the first alone); the first loop starts the buckets."""
     arrival, _, _, n = _replayed(model.trace, 3)
     adm = plan.admission
-    return sum(Admission(adm.admit_req_s, adm.admit_depth_req, {model.model: peak} if peak else None)
-               .admits(model.model, arrival.tolist())[n:])
+    return sum(Admission(adm.admit_req_s, adm.admit_depth_req, {model.model: peak} if peak else None,
+                         shares=admission_shares(plan)).admits(model.model, arrival.tolist())[n:])
 
 
 @pytest.mark.parametrize("prefill_factor, decode_factor", [(4.0, 4.0), (2.6, 2.2), (2.6, 1.8)])

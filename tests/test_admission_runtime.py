@@ -1,9 +1,11 @@
 """The admission a plan derives under scarcity, run by a real `coral serve coordinator` process configured only by
-`CORAL_ADMIT`: a model offered more than its share is shed (429) down to what its token buckets pass, a model
-offered less than its share is never shed."""
+`CORAL_ADMIT`, as the simulator runs it: a model offered far more than its plan's demand is shed (429) down to the
+rate its plan's capacity carries, not its share of what it sends; a model offered less than its plan's demand is
+admitted exactly its share of what it sends."""
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.errors import CoralError
 from coral_dagster.runtime.config import format_admit
 from coral_dagster.runtime.local import free_port
+from coral_dagster.routing import admission_shares
 from coral_dagster.templates.types import Stage, Template
 
 L40S = NodeConfig.parse("L40S:1")
@@ -44,7 +47,7 @@ def _bucket_bound(rate_req_s: float, depth_req: float, elapsed_s: float) -> floa
 
 
 @pytest.mark.slow
-def test_a_coordinator_process_sheds_the_model_over_its_share_and_not_the_one_under_it():
+def test_a_coordinator_process_holds_a_model_to_its_capacity_and_another_to_its_share():
     from coral_dagster.runtime.client import Client
 
     models = {m.model: m for m in load_scenario("core").models}
@@ -52,20 +55,19 @@ def test_a_coordinator_process_sheds_the_model_over_its_share_and_not_the_one_un
                           [models["phi-4"], models["gpt-oss-20b"]])
     adm = plan.admission
     assert adm.admit_req_s == {"phi-4": RATE_REQ_S * SHARE, "gpt-oss-20b": RATE_REQ_S * SHARE}
-    # Shallow first buckets keep the test short: phi-4 offered at its full rate (over its share), gpt-oss-20b at
-    # half its share (under it).
-    small = replace(adm, admit_depth_req={m: 5.0 for m in adm.admit_req_s},
-                    admit_peak={m: (r, min(d, 5.0)) for m, (r, d) in adm.admit_peak.items()})
+    # A shallow capacity bucket keeps the test short: phi-4 offered at 6× its plan's rate (its share of that, 18
+    # req/s, past the 4.5 req/s its capacity carries), gpt-oss-20b at a quarter of it (below the rate it may have).
+    small = replace(adm, admit_peak={**adm.admit_peak, "phi-4": (adm.admit_peak["phi-4"][0], 5.0)})
     port = free_port()
     env = {**os.environ, "CORAL_LISTEN": f"tcp://127.0.0.1:{port}", "CORAL_HTTP_PORT": "-1",
            "CORAL_INSECURE": "1", "CORAL_ADMIT": format_admit(small.admit_req_s, small.admit_depth_req,
-                                                             small.admit_peak)}
+                                                             small.admit_peak, admission_shares(plan))}
     proc = subprocess.Popen([sys.executable, "-m", "coral_dagster.cli.serve", "coordinator", "--insecure"],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         with Client(f"tcp://127.0.0.1:{port}", insecure=True, timeout_s=30) as client:
             assert client.status()["admit"] == env["CORAL_ADMIT"]
-            offered = {"phi-4": RATE_REQ_S, "gpt-oss-20b": RATE_REQ_S * SHARE / 2.0}
+            offered = {"phi-4": 6.0 * RATE_REQ_S, "gpt-oss-20b": RATE_REQ_S / 4.0}
             tags: dict[str, list[str]] = {m: [] for m in offered}
             start = time.monotonic()
             sent = {m: 0 for m in offered}
@@ -91,10 +93,11 @@ def test_a_coordinator_process_sheds_the_model_over_its_share_and_not_the_one_un
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    assert shed["gpt-oss-20b"] == 0
-    rate, depth = small.admit_req_s["phi-4"], small.admit_depth_req["phi-4"]
-    admitted = len(tags["phi-4"]) - shed["phi-4"]
-    assert admitted <= _bucket_bound(rate, depth, elapsed_s) + 1 < len(tags["phi-4"])
-    # Offered at 1/SHARE times its rate, the bucket stays near empty and passes about what it refills (half of it
-    # here, a loaded machine delaying the coordinator); shedding all but a burst would pass at most its depth.
-    assert admitted >= 0.5 * rate * sent_s > depth
+    admitted = {m: len(tags[m]) - shed[m] for m in offered}
+    assert admitted["gpt-oss-20b"] == math.floor(SHARE * len(tags["gpt-oss-20b"]) + 1e-9) > 0
+    rate, depth = small.admit_peak["phi-4"]
+    assert rate == RATE_REQ_S * SHARE * 1.5
+    assert admitted["phi-4"] <= _bucket_bound(rate, depth, elapsed_s) + 1 < SHARE * len(tags["phi-4"])
+    # Offered past its capacity, the bucket stays near empty and passes about what it refills (half of it here, a
+    # loaded machine delaying the coordinator); shedding all but a burst would pass at most its depth.
+    assert admitted["phi-4"] >= 0.5 * rate * sent_s > depth

@@ -158,7 +158,6 @@ def test_echo_puts_the_prompt_first(served):
     ("completion", {"presence_penalty": -3}, "presence_penalty"),
     ("completion", {"logit_bias": {"65": 5}}, "logit_bias"),
     ("completion", {"suffix": "tail"}, "suffix"),
-    ("completion", {"logprobs": 2, "echo": True}, "echo"),
     ("completion", {"temperature": 3.0}, "temperature"),
     ("completion", {"n": 0}, "n"),
     ("completion", {"stream_options": {"include_usage": True}}, "stream_options"),

@@ -27,14 +27,6 @@ def served():
         yield Served(stack)
 
 
-@pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    from coral_dagster.runtime.hf_export import export_tiny
-
-    path = export_tiny(MODEL, tmp_path_factory.mktemp("hf"))
-    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-
-
 class _CountPenalties(transformers.LogitsProcessor):
     """OpenAI's frequency and presence penalties over the generated tokens only (those after `prompt_len`)."""
 

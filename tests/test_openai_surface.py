@@ -48,9 +48,14 @@ def test_openapi_describes_what_the_server_really_answers(served):
     done = httpx.post(f"{served.url}/v1/completions", headers=AUTH, timeout=60,
                       json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1}).json()
     jsonschema.validate(done, _schema(doc, "CompletionResponse"))
+    echoed = httpx.post(f"{served.url}/v1/completions", headers=AUTH, timeout=60,
+                        json={"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "logprobs": 1, "echo": True}).json()
+    assert echoed["choices"][0]["prompt_logprobs"][0] is None
+    jsonschema.validate(echoed, _schema(doc, "CompletionResponse"))
     chat = httpx.post(f"{served.url}/v1/chat/completions", headers=AUTH, timeout=60,
                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
-                            "logprobs": True, "top_logprobs": 2}).json()
+                            "logprobs": True, "top_logprobs": 2, "prompt_logprobs": 1}).json()
+    assert chat["prompt_logprobs"][1]
     jsonschema.validate(chat, _schema(doc, "ChatCompletionResponse"))
     jsonschema.validate(httpx.get(f"{served.url}/v1/models", headers=AUTH).json(), _schema(doc, "ModelList"))
     # Every request field the document declares is accepted by the server (at a value that changes nothing)...
@@ -60,7 +65,8 @@ def test_openapi_describes_what_the_server_really_answers(served):
                "logprobs": None, "echo": False, "best_of": 1, "suffix": "", "top_logprobs": None,
                "max_completion_tokens": None, "parallel_tool_calls": False, "tools": [], "min_tokens": 0,
                "skip_special_tokens": True, "response_format": {"type": "text"}, "structured_outputs": None,
-               "guided_json": None, "guided_regex": None, "guided_choice": None, "tool_choice": "none"}
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "tool_choice": "none",
+                   "prompt_logprobs": None}
     for route, name, extra in (("/v1/completions", "CompletionRequest", {"prompt": "x"}),
                                ("/v1/chat/completions", "ChatCompletionRequest",
                                 {"messages": [{"role": "user", "content": "x"}]})):

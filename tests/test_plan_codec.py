@@ -226,7 +226,9 @@ def test_a_plan_file_launches_with_its_admission_limits(tmp_path):
     out = json.loads(res.output[res.output.index("{"):])
     (coordinator,) = [p for p in out["yaml"] if "coord" in Path(p).name]
     envs = yaml.safe_load(Path(coordinator).read_text())["envs"]
-    assert parse_admit(envs["CORAL_ADMIT"]) == ({"phi-4": 1.25}, {"phi-4": 40.0}, {"phi-4": (3.0, 6.0)})
+    # The share each model is held to is what the plan serves of its demand (5 of 10 req/s).
+    assert parse_admit(envs["CORAL_ADMIT"]) == ({"phi-4": 1.25}, {"phi-4": 40.0}, {"phi-4": (3.0, 6.0)},
+                                                {"phi-4": 5.0 / 10.0})
 
 
 @pytest.mark.slow

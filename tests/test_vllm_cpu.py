@@ -241,6 +241,32 @@ if __name__ == "__main__":
     assert 0 <= ours - out["tokens"] < out["block"], (ours, out)
 
 
+def test_the_vllm_engine_reports_the_kv_its_scheduler_holds(node_env):
+    """`kv_usage` is vLLM's own block pool use (its scheduler's `kv_cache_usage`, which leaves the null block out of
+    the pool) over the cache's tokens: a 200-token prompt's blocks while it runs, none before and after."""
+    out = _node_python(node_env, """
+import json
+import numpy as np
+from coral_dagster.runtime.vllm_engine import head_engine
+if __name__ == "__main__":
+    e = head_engine("tiny-llama", (), gpu_memory_utilization=0.05, max_model_len=512, enforce_eager=True)
+    idle = e.kv_usage()
+    e.submit("r", np.arange(1, 201), 100)
+    while not e.step():
+        pass
+    held = e.kv_usage()
+    e.free("r")
+    c = e.llm.vllm_config.cache_config
+    print("RESULT " + json.dumps({"idle": idle, "held": held, "after": e.kv_usage(), "block": c.block_size,
+                                  "blocks": c.num_gpu_blocks}))
+""")
+    block, blocks = out["block"], out["blocks"]
+    capacity = block * blocks
+    assert out["idle"] == [0, capacity] and out["after"] == [0, capacity]
+    # 200 prompt tokens (and the first output's slot, which 200 being no multiple of a block size leaves in them).
+    assert 200 % block and out["held"] == [round(-(-200 // block) / (blocks - 1) * capacity), capacity]
+
+
 def test_generated_vllm_serve_lines_parse_in_vllm(node_env):
     """Every node's `vllm serve` line of a vLLM-planned instance, parsed by vLLM's own parser, gives the
     pipeline the template describes: one rank group per node, the template's TP, the head's address."""

@@ -163,26 +163,27 @@ def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_r
                 max_depth_req: float, phases: tuple[tuple[str, float, float], ...], slo_margin: float, target: float,
                 window_s: float = ATTAINMENT_WINDOW_S) -> tuple[float, float]:
     """The second admission bucket (refill req/s, depth requests), at most as fast as `carried_req_s` (the request
-    rate the plan's capacity carries) and never so shallow that it sheds what the first bucket (refilling at
-    `admit_req_s`, `admit_depth_req` deep, as `routing.Admission` admits) passes of the trace replayed at
-    `rate_req_s`: at least `delivery_depth_req` deep at its refill. A bucket shallower than a burst sheds the tail
-    of every burst the first admits (one request deep at the admitted rate, a stream offered at twice that rate
-    keeps two thirds of it), so the model would get less than the share the plan promises.
+    rate the plan's capacity carries) and never so shallow that it sheds what the first bucket (the share bucket of
+    `routing.Admission`: `admit_req_s` / `rate_req_s` of the requests, credit saved up to `admit_depth_req`) passes
+    of the trace replayed at `rate_req_s`: at least `delivery_depth_req` deep at its refill. A bucket shallower than
+    a burst sheds the tail of every burst the first admits (one request deep at the admitted rate, a stream offered
+    at twice that rate keeps two thirds of it), so the model would get less than the share the plan promises.
 
-    Within that, what the buckets admit of the whole trace should meet the rule's criterion in every phase (in
-    every `window_s` window starting in the first two loops, a share `target` of the admitted requests wait within
-    their slack in the fluid queue of the plan's capacity for the phase; from the start, as a coordinator starts:
-    buckets full, queues empty): refilling at `carried_req_s`, `max_depth_req` deep where that meets it; else the
-    deepest that does (to one request) where that delivers; else the fastest refill above `admit_req_s`, in steps
-    of `REFILL_STEP` down from `carried_req_s`, that meets it at its delivering depth; else the carried rate at its
-    delivering depth (the promise first: the fluid queue serves a burst's requests one after the other at the
-    whole capacity, so it judges a short burst harsher than batching instances do; the simulation checks the
-    admitted requests' attainment, `bench.scarcity_goodput`). `phases` holds per phase (phase, SLO ms, capacity in
-    units of the trace's mean rate at `rate_req_s`, e.g. served share × capacity factor)."""
+    Within that, what the buckets admit of the whole trace should meet the rule's criterion in every phase (in every
+    `window_s` window starting in the first two loops, a share `target` of the admitted requests wait within their
+    slack in the fluid queue of the plan's capacity for the phase; from the start, as a coordinator starts: the
+    share bucket empty, the second full, queues empty): refilling at `carried_req_s`, `max_depth_req` deep where
+    that meets it; else the deepest that does (to one request) where that delivers; else the fastest refill above
+    `admit_req_s`, in steps of `REFILL_STEP` down from `carried_req_s`, that meets it at its delivering depth; else
+    the carried rate at its delivering depth (the promise first: the fluid queue serves a burst's requests one after
+    the other at the whole capacity, so it judges a short burst harsher than batching instances do; the simulation
+    checks the admitted requests' attainment, `bench.scarcity_goodput`). `phases` holds per phase (phase, SLO ms,
+    capacity in units of the trace's mean rate at `rate_req_s`, e.g. served share × capacity factor)."""
     from coral_dagster.routing import Admission
 
     period_s = trace_period_s(trace, rate_req_s)
     arrival, prompt, output, n = _stream(trace, rate_req_s, 2 + int(np.ceil(window_s / period_s)))
+    share = admit_req_s / rate_req_s
     loads = []
     for phase, slo_ms, capacity in phases:
         work, budget = _phase_load(phase, prompt, output, (1.0 - slo_margin) * slo_ms / 1000.0)
@@ -192,8 +193,8 @@ def peak_bucket(trace: str, rate_req_s: float, admit_req_s: float, admit_depth_r
         return delivery_depth_req(trace, rate_req_s, admit_req_s, admit_depth_req, refill)
 
     def meets(refill: float, depth: float) -> bool:
-        keep = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)})
-                        .admits("m", arrival.tolist()))
+        keep = np.array(Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (refill, depth)},
+                                  shares={"m": share}).admits("m", arrival.tolist()))
         t = arrival[keep]
         starts = slice(0, int(np.searchsorted(t, arrival[2 * n])))
         return all(worst_window_share(t, fluid_waits(t, work[keep], cap) <= budget[keep], window_s, starts)
@@ -221,16 +222,18 @@ def delivery_depth_req(trace: str, rate_req_s: float, admit_req_s: float, admit_
                        carried_req_s: float) -> float:
     """The least depth (to one request, at most the first bucket's) of a second bucket refilling at `carried_req_s`
     at which the two buckets admit at least (1 − `DELIVERY_LOSS`) of what the first bucket alone admits of the
-    trace replayed at `rate_req_s` (three loops, counted after the first, which starts the buckets): the second
-    bucket then caps how fast a burst enters, not how much of the promised rate gets in."""
+    trace replayed at `rate_req_s` (three loops, counted after the first, which starts the buckets; the first is
+    the share bucket of `routing.Admission` at `admit_req_s` / `rate_req_s`): the second bucket then caps how fast
+    a burst enters, not how much of the promised share gets in."""
     from coral_dagster.routing import Admission
 
     arrival, _, _, n = _stream(trace, rate_req_s, 3)
     times = arrival.tolist()
-    alone = sum(Admission({"m": admit_req_s}, {"m": admit_depth_req}).admits("m", times)[n:])
+    share = {"m": admit_req_s / rate_req_s}
+    alone = sum(Admission({"m": admit_req_s}, {"m": admit_depth_req}, shares=share).admits("m", times)[n:])
 
     def delivers(depth: float) -> bool:
-        both = Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (carried_req_s, depth)})
+        both = Admission({"m": admit_req_s}, {"m": admit_depth_req}, {"m": (carried_req_s, depth)}, shares=share)
         return sum(both.admits("m", times)[n:]) >= (1.0 - DELIVERY_LOSS) * alone
 
     if delivers(1.0):

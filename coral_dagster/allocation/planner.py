@@ -302,7 +302,8 @@ def _speedup_note(cg: colgen.MinCostSolve, n_columns: int) -> str:
 
 def with_admission(plan: Plan, rates: Mapping[str, float], models: Sequence[ScenarioModel] = ()) -> Plan:
     """The plan with admission rates for the models it serves less than their demand of: the request rate times
-    the share of both phases it serves (`routing.Admission` sheds the rest), and per model of `models` (its trace,
+    the share of both phases it serves (`routing.Admission` admits that share of what each model sends,
+    `routing.admission_shares`, and sheds the rest), and per model of `models` (its trace,
     SLOs, margin and target) the bucket depth at which that trace thinned to the share is never shed
     (`capacity.admission_depth_req`): the plan was sized for the trace's bursts, so the bucket admits them and sheds
     only overload sustained past them. A second bucket refills at the request rate the plan's capacity carries (the

@@ -13,6 +13,7 @@ from coral_dagster.allocation.storage import load_plan as load_plan
 from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.scenarios import Scenario, load_scenario, scenario_names as scenario_names
 from coral_dagster.errors import CoralError
+from coral_dagster.routing import admission_shares as admission_shares
 from coral_dagster.store.duck import Store as Store
 
 LATEST = "latest"

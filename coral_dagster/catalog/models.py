@@ -42,6 +42,8 @@ class ModelSpec:
     expert_bytes_per_param: float
     published_params: float
     published_active_params: float = 0.0
+    # vLLM's `--tool-call-parser` for the model's family, as vLLM's tool-calling docs list it ("": none listed).
+    tool_call_parser: str = ""
 
     @property
     def is_moe(self) -> bool:
@@ -161,6 +163,7 @@ def _parse(row: dict, path: Path, i: int) -> ModelSpec:
         expert_bytes_per_param=field(row, "expert_bytes_per_param", float, path, i, positive=True),
         published_params=field(row, "published_params", float, path, i, positive=True),
         published_active_params=field(row, "published_active_params", float, path, i, default=0.0),
+        tool_call_parser=field(row, "tool_call_parser", str, path, i, default=""),
     )
     _check_shape(m, path, i)
     return m

@@ -35,10 +35,14 @@ def _print_plan(plan) -> None:
                f"gap {mip_gap} to the proven bound {plan.mip_bound_usd_per_hour:,.2f} "
                f"(LP bound {plan.lp_bound_usd_per_hour:,.2f}, {gap} to it), {plan.work_nodes:,} nodes of work in "
                f"{plan.solve_s:.2f} s, demand scale {plan.demand_scale:.2%}")
+    from coral_dagster.app.plans import admission_shares
+
+    shares = admission_shares(plan) if plan.admission.limits else {}
     for m, rate in sorted(plan.admission.admit_req_s.items()):
         depth = plan.admission.admit_depth_req.get(m)
         peak = plan.admission.admit_peak.get(m)
-        click.echo(f"admission: {m} admits {rate:.3g} req/s" + (f", bursts up to {depth:,.0f} requests" if depth
+        click.echo(f"admission: {m} admits its promised {shares.get(m, 1.0):.1%} of the requests it sends "
+                   f"({rate:.3g} req/s at the planned demand)" + (f", bursts up to {depth:,.0f} requests" if depth
                    else "") + (f", let in at most {peak[0]:.3g} req/s (a second bucket {peak[1]:,.0f} deep)" if peak
                                 else "")
                    + " (the rest are shed with 429)")

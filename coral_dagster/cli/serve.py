@@ -134,8 +134,9 @@ def serve() -> None:
 @_opt("--allowed-headers", env=Env.ALLOWED_HEADERS, default='["*"]', show_default=True,
       help="Headers CORS allows, a JSON list.")
 @_opt("--admit", env=Env.ADMIT, default="",
-      help="Requests/s admitted per model, bucket depth in requests and the plan's capacity bucket, "
-           "'model=rate[:depth[:peak_rate:peak_depth]],…' (a plan under scarcity); the rest get 429 with Retry-After.")
+      help="Requests/s admitted per model, bucket depth in requests, the plan's capacity bucket and the share of the "
+           "requests sent admitted, 'model=rate[:depth[:peak_rate:peak_depth]][@share],…' (a plan under scarcity; "
+           "with @share the first bucket counts requests, not seconds); the rest get 429 with Retry-After.")
 @_role_options
 def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[str, ...], max_retries: int,
                     api_key: str | None, tls_certfile: str | None, tls_keyfile: str | None, admit: str,
@@ -151,12 +152,13 @@ def coordinator_cmd(listen: str, http_host: str, http_port: int, models: tuple[s
     from coral_dagster.runtime.frontdoor import Cors
     from coral_dagster.runtime.roles import run_coordinator
 
-    admit_req_s, admit_depth_req, admit_peak = parse_admit(admit)
+    admit_req_s, admit_depth_req, admit_peak, admit_share = parse_admit(admit)
     run_coordinator(CoordinatorConfig(listen=listen, http_host=http_host,
                                       http_port=None if http_port < 0 else http_port, models=models,
                                       max_retries=max_retries, api_key=api_key, timing=_timing(kw),
                                       admit_req_s=admit_req_s, admit_depth_req=admit_depth_req,
-                                      admit_peak=admit_peak, http_tls_certfile=tls_certfile,
+                                      admit_peak=admit_peak, admit_share=admit_share,
+                                      http_tls_certfile=tls_certfile,
                                       http_tls_keyfile=tls_keyfile,
                                       http_allowed_origins=Cors.parse("--allowed-origins", allowed_origins),
                                       http_allowed_methods=Cors.parse("--allowed-methods", allowed_methods),

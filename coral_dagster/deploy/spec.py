@@ -15,7 +15,7 @@ from coral_dagster.allocation.types import Plan, PlannedInstance
 from coral_dagster.catalog.nodes import NodeConfig
 from coral_dagster.deploy import names
 from coral_dagster.errors import CoralError
-from coral_dagster.routing import instance_weight
+from coral_dagster.routing import admission_shares, instance_weight
 from coral_dagster.runtime.protocol import Env
 from coral_dagster.templates.engines import KV_ROLES, engine_connector, vllm_kv_transfer_config, vllm_violations
 from coral_dagster.templates.types import Template
@@ -316,15 +316,15 @@ def build_coordinators(plan_id: str, region: str, shapes: tuple[InstanceShape, .
     do not price: the primary, a warm standby wired to the primary's address (`CORAL_PRIMARY`) that serves once the
     primary fails its health probe, and the endpoint wired to both (`CORAL_COORDINATOR`, primary first), HAProxy
     sending requests to whichever serves. The pair lists the models of `shapes` before their instances register
-    and admits the request rates and bucket depths of `plan` (`CORAL_ADMIT`, read as `coral serve coordinator
-    --admit`) where it serves less than the demand. All three serve HTTPS unless `plain_http`
+    and admits the request rates, bucket depths and promised shares of `plan` (`CORAL_ADMIT`, read as `coral serve
+    coordinator --admit`) where it serves less than the demand. All three serve HTTPS unless `plain_http`
     (`CORAL_PLAIN_HTTP=1`); the scheme is kept in `phase`, which they otherwise leave empty."""
     from coral_dagster.runtime.config import format_admit
 
     envs: dict[str, str] = {Env.MODEL: " ".join(sorted({s.template.model for s in shapes}))}
     if plan is not None and plan.admission.limits:
         adm = plan.admission
-        envs[Env.ADMIT] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
+        envs[Env.ADMIT] = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak, admission_shares(plan))
     if plain_http:
         envs["CORAL_PLAIN_HTTP"] = "1"
     primary = names.coordinator_name(plan_id)

@@ -63,6 +63,9 @@ class CoordinatorConfig:
     admit_depth_req: dict[str, float] = field(default_factory=dict)
     # The second bucket per admitted model (request rate the plan's capacity carries, depth), the plan's `admit_peak`.
     admit_peak: dict[str, tuple[float, float]] = field(default_factory=dict)
+    # The share of the requests it sends each model is admitted (the plan's promise), counted per request by the
+    # first bucket instead of refilling it at `admit_req_s`; credit it cannot use is saved up to the depth.
+    admit_share: dict[str, float] = field(default_factory=dict)
     # An HTTP request's line, headers and body must arrive within this; bodies are refused past the size.
     http_read_timeout_s: float = 10.0
     http_max_body_bytes: int = 4 << 20
@@ -129,34 +132,53 @@ class NodeSettings:
             raise CoralError(f"{self.share=} must be positive.", "pass the node's share of its stage's load")
 
 
-def parse_admit(text: str) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]]]:
-    """`model=rate[:depth[:peak_rate:peak_depth]],…` (requests/s admitted per model, its bucket depth in requests,
-    the second bucket's rate and depth) as rates, depths and peaks; empty text admits everything."""
-    rates, depths, peaks = {}, {}, {}
+AdmitLimits = tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]], dict[str, float]]
+ADMIT_FORMAT = "model=rate[:depth[:peak_rate:peak_depth]][@share]"
+
+
+def _admit_entry(part: str) -> tuple[str, list[float], float | None]:
+    """One `--admit` entry as its model, numbers (rate, depth, peak rate, peak depth as given) and share."""
+    model, sep, value = part.partition("=")
+    value, at, share_text = value.partition("@")
+    try:
+        numbers = [float(x) for x in value.split(":")]
+        share = float(share_text) if at else None
+    except ValueError:
+        numbers, share = [math.nan], None
+    if (not sep or not model.strip() or len(numbers) not in (1, 2, 4)
+            or not all(math.isfinite(x) and x >= 0 for x in numbers)
+            or (share is not None and not 0.0 <= share <= 1.0)):
+        raise CoralError(f"admission entry {part!r} is not {ADMIT_FORMAT}.",
+                         "write e.g. --admit phi-4=4.5:800:20:9@0.54,qwen3-32b=2 (requests/s and bucket depths in "
+                         "requests, finite, >= 0; the share admitted of the requests sent, from 0 to 1)")
+    return model.strip(), numbers, share
+
+
+def parse_admit(text: str) -> AdmitLimits:
+    """`model=rate[:depth[:peak_rate:peak_depth]][@share],…` (requests/s admitted per model, its bucket depth in
+    requests, the second bucket's rate and depth, the share of the requests it sends that it is admitted) as rates,
+    depths, peaks and shares; without `@share` the first bucket refills at the rate; empty text admits everything."""
+    rates: dict[str, float] = {}
+    depths: dict[str, float] = {}
+    peaks: dict[str, tuple[float, float]] = {}
+    shares: dict[str, float] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
-        model, sep, value = part.partition("=")
-        try:
-            numbers = [float(x) for x in value.split(":")]
-        except ValueError:
-            numbers = [math.nan]
-        if (not sep or not model.strip() or len(numbers) not in (1, 2, 4)
-                or not all(math.isfinite(x) and x >= 0 for x in numbers)):
-            raise CoralError(f"admission entry {part!r} is not model=rate[:depth[:peak_rate:peak_depth]].",
-                             "write e.g. --admit phi-4=4.5:800:20:9,qwen3-32b=2 (requests/s and bucket depths in "
-                             "requests, finite, >= 0)")
-        name = model.strip()
+        name, numbers, share = _admit_entry(part)
         rates[name] = numbers[0]
         if len(numbers) > 1:
             depths[name] = numbers[1]
         if len(numbers) > 2:
             peaks[name] = (numbers[2], numbers[3])
-    return rates, depths, peaks
+        if share is not None:
+            shares[name] = share
+    return rates, depths, peaks, shares
 
 
 def format_admit(rates: Mapping[str, float], depths: Mapping[str, float],
-                 peaks: Mapping[str, tuple[float, float]]) -> str:
+                 peaks: Mapping[str, tuple[float, float]], shares: Mapping[str, float] | None = None) -> str:
     """The `--admit` text `parse_admit` reads back, per model sorted (a peak only beside a depth)."""
     def entry(m: str) -> str:
         rest = [depths[m], *peaks.get(m, ())] if m in depths else []
-        return f"{m}=" + ":".join(repr(float(x)) for x in [rates[m], *rest])
+        share = f"@{float(shares[m])!r}" if shares and m in shares else ""
+        return f"{m}=" + ":".join(repr(float(x)) for x in [rates[m], *rest]) + share
     return ",".join(entry(m) for m in sorted(rates))

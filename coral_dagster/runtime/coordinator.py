@@ -53,6 +53,9 @@ class _Instance:
     progress_timeout_s: float = 0.0
     # Prompt tokens of the requests dispatched here whose first token has not come back yet (`prefill_fits`).
     prefill_tokens: int = 0
+    # Its KV cache as its heartbeats last said (its fullest stage): tokens held and tokens it can hold (0: not said).
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
     def prefill_budget_tokens(self) -> int:
         """One context of prompt tokens: every valid prompt fits alone (none when the context is unknown)."""
@@ -168,6 +171,12 @@ class WorkQueue:
         return left
 
 
+def _prompt_logprobs(r: _Request, prompt_logprobs: Any) -> dict[str, Any]:
+    """The prompt's log-probabilities for `r`'s client, from an attempt that ran its prompt: only before its first
+    token (a retry after one runs the prompt and the tokens out so far, and the client has them already)."""
+    return {"prompt_logprobs": prompt_logprobs} if prompt_logprobs is not None and not r.out else {}
+
+
 def _stages(value: Any) -> list[dict[str, Any]]:
     """An instance's stage description as announced: a list whose JSON stays within MAX_STAGES_BYTES."""
     if not isinstance(value, list):
@@ -232,8 +241,8 @@ class Coordinator:
         self.queue = WorkQueue()
         self.tokenizer = ByteTokenizer()
         self.routing = Router()
-        self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
-        self.admit_text = format_admit(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak)
+        self.admission = Admission(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak, shares=cfg.admit_share)
+        self.admit_text = format_admit(cfg.admit_req_s, cfg.admit_depth_req, cfg.admit_peak, cfg.admit_share)
         self._ids = itertools.count()
         self.counts = {"submitted": 0, "completed": 0, "failed": 0, "retried": 0, "abandoned": 0}
         self.http = None
@@ -456,6 +465,8 @@ class Coordinator:
         inst.stalled_s = finite_positive(h["stalled_s"], "stalled_s") if h.get("stalled_s") else 0.0
         inst.progress_timeout_s = (finite_positive(h["progress_timeout_s"], "progress_timeout_s")
                                    if h.get("progress_timeout_s") else 0.0)
+        if h.get("kv_capacity_tokens", 0) > 0 and h.get("kv_used_tokens", -1) >= 0:
+            inst.kv_used_tokens, inst.kv_capacity_tokens = h["kv_used_tokens"], h["kv_capacity_tokens"]
         # Prefill chunks are progress the client does not see as tokens: they keep the request's clock going.
         for rid in h.get("progressed", [])[:len(inst.requests)]:
             r = self.requests.get(str(rid))
@@ -558,7 +569,7 @@ class Coordinator:
         self.requests[r.rid] = r
         if not self.admission.admit(model, now):
             wait_s = self.admission.retry_after_s(model, now)
-            self._finish_error(r, f"model {model} is at the request rate its plan serves "
+            self._finish_error(r, f"model {model} is at what its plan admits of it "
                                f"({self.admission.limits(model)}).", f"retry after {wait_s:.1f} s",
                                429, type="rate_limited", retry_after_s=wait_s)
             return
@@ -666,14 +677,17 @@ class Coordinator:
                     wire.send(self.router, {"kind": Kind.CANCEL, "rid": r.rid}, to=inst.ident)
         r.instances = {}
 
-    def _emit_token(self, r: _Request, token: int, now: float, logprobs: Any = None) -> None:
+    def _emit_token(self, r: _Request, token: int, now: float, logprobs: Any = None, prompt_logprobs: Any = None
+                    ) -> None:
+        prompt = _prompt_logprobs(r, prompt_logprobs)
         r.out.append(token)
         r.last_progress = now
         self._unhold(r)
         self._event(r, {"kind": Kind.TOKEN, "token": token, "text": self.tokenizer.decode_token(token),
-                        "index": len(r.out) - 1, **({"logprobs": logprobs} if logprobs is not None else {})})
+                        "index": len(r.out) - 1, **({"logprobs": logprobs} if logprobs is not None else {}),
+                        **prompt})
 
-    def _finish(self, r: _Request, reason: str) -> None:
+    def _finish(self, r: _Request, reason: str, prompt_logprobs: Any = None) -> None:
         for name in r.instances.values():
             if name in self.instances:
                 self.instances[name].served += 1
@@ -682,7 +696,7 @@ class Coordinator:
         self.counts["completed"] += 1
         self._event(r, {"kind": Kind.DONE, "finish_reason": reason, "tokens": r.out,
                         "text": self.tokenizer.decode(r.out), "prompt_tokens": len(r.prompt),
-                        "instances": r.history, "attempts": r.attempts})
+                        "instances": r.history, "attempts": r.attempts, **_prompt_logprobs(r, prompt_logprobs)})
 
     def _finish_error(self, r: _Request, problem: str, fix: str, status: int, **extra: Any) -> None:
         """Fail `r`; `extra` travels to the client (`type="rate_limited", retry_after_s=…` becomes HTTP 429)."""
@@ -699,12 +713,12 @@ class Coordinator:
     def _token(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         r = self._owned(inst, h)
         if r is not None:
-            self._emit_token(r, int(h["token"]), now, h.get("logprobs"))
+            self._emit_token(r, int(h["token"]), now, h.get("logprobs"), h.get("prompt_logprobs"))
 
     def _done(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         r = self._owned(inst, h)
         if r is not None:
-            self._finish(r, str(h["finish_reason"]))
+            self._finish(r, str(h["finish_reason"]), h.get("prompt_logprobs"))
 
     def _kv_route(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         r = self._owned(inst, h)
@@ -728,13 +742,16 @@ class Coordinator:
         r.instances.pop("prefill", None)
         token = int(h["token"])
         reason = finish_reason(token, len(r.out) + 1, r.max_tokens, r.ignore_eos)
+        prompt_logprobs = h.get("prompt_logprobs")
         if reason != "stop":
-            self._emit_token(r, token, now, h.get("logprobs"))
+            self._emit_token(r, token, now, h.get("logprobs"), prompt_logprobs)
             if r.rid not in self.requests:
                 return
+            prompt_logprobs = None
         decode = self.instances.get(r.instances.get("decode", ""))
         if reason:
-            self._finish(r, reason) if decode is None else self._finish_pd_early(r, decode, reason)
+            self._finish(r, reason, prompt_logprobs) if decode is None else self._finish_pd_early(
+                r, decode, reason, prompt_logprobs)
         elif decode is None:
             self._retry_or_fail(r, f"decode instance {r.instances.get('decode')} went away", now)
         else:
@@ -744,9 +761,9 @@ class Coordinator:
                 msg.update(tokens=r.prompt + r.out, kv_transfer_params=h["kv_transfer_params"])
             wire.send(self.router, msg, to=decode.ident)
 
-    def _finish_pd_early(self, r: _Request, decode: _Instance, reason: str) -> None:
+    def _finish_pd_early(self, r: _Request, decode: _Instance, reason: str, prompt_logprobs: Any = None) -> None:
         wire.send(self.router, {"kind": Kind.CANCEL, "rid": r.rid}, to=decode.ident)
-        self._finish(r, reason)
+        self._finish(r, reason, prompt_logprobs)
 
     def _attempt_failed(self, inst: _Instance, h: dict[str, Any], now: float) -> None:
         """A request error (4xx) fails the request where it stands; any other failure may resume elsewhere."""
@@ -806,15 +823,15 @@ class Coordinator:
 
     def _admit(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:
         """New admission limits (`--admit` text, empty admits everything), so a re-plan reaches a live coordinator
-        without a restart; their buckets start full. Text that does not parse changes nothing."""
+        without a restart; their buckets start as at start-up. Text that does not parse changes nothing."""
         try:
-            rates, depths, peaks = parse_admit(str(h.get("admit", "")))
+            rates, depths, peaks, shares = parse_admit(str(h.get("admit", "")))
         except CoralError as exc:
             wire.send(sock, {"kind": Kind.ERROR, "tag": h.get("tag"), "status": 400, "problem": exc.problem,
                              "fix": exc.fix}, to=ident)
             return
-        self.admission = Admission(rates, depths, peaks)
-        self.admit_text = format_admit(rates, depths, peaks)
+        self.admission = Admission(rates, depths, peaks, shares=shares)
+        self.admit_text = format_admit(rates, depths, peaks, shares)
         log.info("admission limits now %s", self.admit_text or "none (every request admitted)")
         wire.send(sock, {"kind": Kind.ADMITTED, "tag": h.get("tag"), "admit": self.admit_text}, to=ident)
 
@@ -838,7 +855,8 @@ class Coordinator:
                 "instances": [{"instance": i.name, "model": i.model, "phase": i.phase, "state": i.state,
                                "progress": "degraded" if self._degraded(i) else "ok",
                                "problem": i.problem, "tokens_per_s": i.tokens_per_s, "in_flight": len(i.requests),
-                               "prefill_tokens": i.prefill_tokens,
+                               "prefill_tokens": i.prefill_tokens, "kv_used_tokens": i.kv_used_tokens,
+                               "kv_capacity_tokens": i.kv_capacity_tokens,
                                "served": i.served, "stages": i.stages} for i in self.instances.values()]}
 
     def _status(self, sock: zmq.Socket, ident: bytes, h: dict[str, Any], now: float) -> None:

@@ -28,6 +28,9 @@ class Step:
     hidden: np.ndarray | None = None
     # How the last stage picks the token (None: greedy, no log-probabilities).
     sampling: SamplingParams | None = None
+    # The prompt's tokens at positions `pos + 1 ..` (at most n), whose log-probabilities the last stage reports when
+    # `sampling.prompt_logprobs` asks; None on decode steps.
+    targets: tuple[int, ...] | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -40,12 +43,14 @@ class Step:
 @dataclass(frozen=True)
 class StepOutput:
     """A stage's result for one step: hidden states for the next stage, or the sampled token on the last stage
-    (with its log-probabilities when the step asked for them)."""
+    (with its log-probabilities, and its prompt tokens', when the step asked for them)."""
 
     rid: str
     hidden: np.ndarray | None = None
     token: int | None = None
     logprobs: TokenLogprobs | None = None
+    # Log-probabilities of the step's `targets`, in order.
+    prompt_logprobs: list[TokenLogprobs] | None = None
 
 
 class Engine(ABC):
@@ -85,6 +90,11 @@ class Engine(ABC):
     @abstractmethod
     def free(self, rid: str) -> None:
         """Drop `rid`'s KV cache; unknown requests are ignored."""
+
+    def kv_usage(self) -> tuple[int, int] | None:
+        """(tokens of KV cache held now, tokens the cache can hold) on this node; None where the engine does not
+        say (what `vllm:kv_cache_usage_perc` is made of)."""
+        return None
 
     def check_step(self, step: Step) -> None:
         """Raise ValueError when `step` itself cannot run (token ids outside the vocabulary, context exceeded)."""

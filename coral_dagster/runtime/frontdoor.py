@@ -369,12 +369,17 @@ class _App:
             self.metrics.queue_depth.set(status.get("in_flight", 0))
             self.metrics.queued.set(status.get("queued", 0))
             on_instances: dict[str, int] = {m: 0 for m in status["models"]}
+            kv_tokens: dict[str, tuple[int, int]] = {}
             for inst in status.get("instances", []):
                 on_instances[inst["model"]] = on_instances.get(inst["model"], 0) + int(inst.get("in_flight", 0))
+                if inst.get("state") != "lost":
+                    used, capacity = kv_tokens.get(inst["model"], (0, 0))
+                    kv_tokens[inst["model"]] = (used + int(inst.get("kv_used_tokens", 0)),
+                                                capacity + int(inst.get("kv_capacity_tokens", 0)))
             submitted: dict[str, int] = {}
             for run in self.runs:
                 submitted[run.req.model] = submitted.get(run.req.model, 0) + len(run.open)
-            self.metrics.vllm.set_load(on_instances, submitted)
+            self.metrics.vllm.set_load(on_instances, submitted, kv_tokens)
             await reply.whole(200, CONTENT_TYPE.encode(), self.metrics.exposition())
         else:
             await reply.json(200, status)
@@ -429,18 +434,21 @@ class _App:
         if req.stream:
             await reply.head(200, [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")])
             for c in run.choices:
-                if req.kind == "chat" or req.echo:
+                # Echo with logprobs waits for the prompt's log-probabilities (they come with the first token).
+                if req.kind == "chat" or (req.echo and not req.echo_logprobs):
                     await reply.event(chunk(req, meta, c, None, None, first=True))
+        echoed: set[int] = set()
         async for tag, piece in self._pieces(run, link):
             c = run.choices[run.index[tag]]
             if req.stream and req.tool_plan is not None:
-                # Tool calls are known once the choice ends: its content or calls go out then, whole.
-                if c.finish:
-                    for event in tool_chunks(req, meta, c):
-                        await reply.event(event)
+                # Content no call can begin in goes out at once; the calls, whole, once the choice ends.
+                for event in tool_chunks(req, meta, c):
+                    await reply.event(event)
             elif req.stream:
-                if piece.text or piece.tokens:
-                    await reply.event(chunk(req, meta, c, piece, None))
+                first = req.echo_logprobs and c.index not in echoed
+                if piece.text or piece.tokens or first:
+                    echoed.add(c.index)
+                    await reply.event(chunk(req, meta, c, piece, None, first=first))
                 if c.finish:
                     await reply.event(chunk(req, meta, c, None, c.finish))
         if req.stream:
@@ -460,6 +468,8 @@ class _App:
             if e["kind"] == Kind.ERROR:
                 run.open.discard(tag)
                 raise error_event(e)
+            if e.get("prompt_logprobs") is not None:
+                c.prompt_logprobs = [TokenLogprobs.from_message(lp) for lp in e["prompt_logprobs"]]
             if e["kind"] == Kind.TOKEN:
                 self._timed(run, tag)
                 piece = c.add(int(e["token"]), e["text"], TokenLogprobs.from_message(e.get("logprobs")))

@@ -24,7 +24,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 class VllmMetrics:
     """vLLM's families (`vllm:`), labelled `model_name`. Running: requests the model's instances hold now (the
     coordinator's count); waiting: those this front door has submitted that no instance holds yet (queued or being
-    retried at the coordinator). Finished reasons are vLLM's: stop, length, abort (the client went away)."""
+    retried at the coordinator). Finished reasons are vLLM's: stop, length, abort (the client went away). KV-cache
+    usage: the tokens of KV the model's instances hold over those they can hold (each instance's fullest stage, as
+    its engine nodes report them), 0..1 as vLLM reports it."""
 
     def __init__(self, r: CollectorRegistry) -> None:
         m = ["model_name"]
@@ -41,9 +43,13 @@ class VllmMetrics:
                              buckets=TPOT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests", m, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", m, registry=r)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", m,
+                                    registry=r)
 
-    def set_load(self, on_instances: dict[str, int], submitted: dict[str, int]) -> None:
-        """At a scrape: requests per model on its instances, and those this door has open (on an instance or not)."""
+    def set_load(self, on_instances: dict[str, int], submitted: dict[str, int],
+                 kv_tokens: dict[str, tuple[int, int]]) -> None:
+        """At a scrape: requests per model on its instances, those this door has open (on an instance or not), and
+        the KV tokens its instances hold and can hold."""
         for model in set(on_instances) | set(submitted):
             # Every series a dashboard reads exists from the first scrape, at 0, as vLLM registers them.
             for reason in ("stop", "length", "abort"):
@@ -53,6 +59,8 @@ class VllmMetrics:
             running = on_instances.get(model, 0)
             self.running.labels(model).set(running)
             self.waiting.labels(model).set(max(0, submitted.get(model, 0) - running))
+            used, capacity = kv_tokens.get(model, (0, 0))
+            self.kv_cache_usage.labels(model).set(used / capacity if capacity else 0.0)
 
 
 class Metrics:

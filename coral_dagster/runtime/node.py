@@ -17,7 +17,7 @@ from coral_dagster.runtime import credentials, wire
 from coral_dagster.runtime.protocol import Env, Kind, Link, ProtocolError, check
 from coral_dagster.runtime.config import NodeSettings
 from coral_dagster.runtime.engine import Engine, Step, StepOutput
-from coral_dagster.runtime.limits import RequestError
+from coral_dagster.runtime.limits import RequestError, is_int
 from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.security import CurveKeys, Security
 
@@ -39,7 +39,8 @@ class EngineNode(Generic[E]):
     """Receives `forward` and `kv` messages on its data socket and talks to its scheduler on a control socket.
 
     Data messages: `forward {rid, pos, stage, route: [data address per stage], handoff: [[start, end, address]]
-    or null}` with the token ids (first stage) or hidden states; `kv {rid, start, end}` with K and V per layer.
+    or null, targets: the prompt's tokens after these positions, when its log-probabilities are asked}` with the
+    token ids (first stage) or hidden states; `kv {rid, start, end}` with K and V per layer.
     Control to the scheduler: `hello`, `token {rid, token}`, `error {rid, problem}`; from it: `challenge {nonce}`
     (answered by a hello with a proof of `credential`, this node's slot credential), `welcome`, `reject`, `rehello`,
     `ping`, `free {rid}`, `stop`. Heartbeats (`pulse`) come from a thread of their own
@@ -78,6 +79,8 @@ class EngineNode(Generic[E]):
         self.route_key: str | None = None
         self.rejected: str | None = None
         self.steps_run = 0
+        # The engine's KV use as the loop last read it; the pulse thread sends it (the engine is the loop's alone).
+        self.kv: tuple[int, int] | None = engine.kv_usage()
 
     def _to_scheduler(self, header: dict[str, Any]) -> None:
         wire.send(self.ctl, {**header, "node": self.s.node})
@@ -143,6 +146,7 @@ class EngineNode(Generic[E]):
                     self._run_batch(batch)
                 busy = self._advance()
                 self._expire(now)
+                self.kv = self.engine.kv_usage()
                 upstream = last_upstream or started
                 if self.welcomed and now - upstream > t.orphan_after_s:
                     return f"scheduler silent for {now - upstream:.0f} s"
@@ -242,13 +246,18 @@ class EngineNode(Generic[E]):
             sampling = SamplingParams.from_message(h.get("sampling")) if self.engine.is_last else None
         except RequestError as exc:
             raise ValueError(exc.problem) from None
+        targets = h.get("targets")
+        if targets is not None and not (len(targets) <= len(array)
+                                        and all(is_int(t) and 0 <= t < self.engine.vocab for t in targets)):
+            raise ValueError(f"targets must be at most {len(array)} token ids in [0, {self.engine.vocab})")
+        targets = tuple(targets) if targets is not None and self.engine.is_last else None
         if self.engine.is_first:
             if array.ndim != 1 or array.dtype.kind not in "iu":
                 raise ValueError(f"the first stage takes a 1-D integer token array, got {array.dtype} {array.shape}")
-            return Step(rid, pos, tokens=array, sampling=sampling)
+            return Step(rid, pos, tokens=array, sampling=sampling, targets=targets)
         if array.ndim != 2 or array.shape[0] == 0:
             raise ValueError(f"hidden states must be [tokens, hidden], got {array.shape}")
-        return Step(rid, pos, hidden=array, sampling=sampling)
+        return Step(rid, pos, hidden=array, sampling=sampling, targets=targets)
 
     def _import_kv(self, rid: str, h: dict[str, Any], arrays: list[np.ndarray]) -> None:
         try:
@@ -302,7 +311,9 @@ class EngineNode(Generic[E]):
         if out.token is not None:
             self._to_scheduler({"kind": Kind.TOKEN, "rid": step.rid, "token": out.token,
                                 "pos": step.pos + step.n_tokens,
-                                **({"logprobs": out.logprobs.message()} if out.logprobs else {})})
+                                **({"logprobs": out.logprobs.message()} if out.logprobs else {}),
+                                **({"prompt_logprobs": [lp.message() for lp in out.prompt_logprobs]}
+                                   if out.prompt_logprobs else {})})
         elif out.hidden is not None:
             self._pass_on(h, step, out.hidden)
         else:
@@ -321,7 +332,8 @@ class EngineNode(Generic[E]):
             self._error(step.rid, f"route has {len(route)} stages but stage {stage} was asked for")
             return
         header = {"kind": Kind.FORWARD, "rid": step.rid, "pos": step.pos, "stage": stage, "route": route,
-                  "handoff": h.get("handoff"), "sampling": h.get("sampling")}
+                  "handoff": h.get("handoff"), "sampling": h.get("sampling"),
+                  **({"targets": h["targets"]} if "targets" in h else {})}
         if self.route_key:
             header["mac"] = credentials.step_mac(self.route_key, step.rid, step.pos, stage)
         if not wire.send(self.security.push(route[stage]), header, [hidden]):
@@ -374,7 +386,8 @@ class _Pulse:
             n.security.connect(sock, n.s.scheduler)
             beat = {"kind": Kind.PULSE, "node": n.s.node, "incarnation": n.incarnation}
             while True:
-                wire.send(sock, beat)
+                kv = n.kv
+                wire.send(sock, {**beat, **({"kv_used_tokens": kv[0], "kv_capacity_tokens": kv[1]} if kv else {})})
                 if self._stop.wait(n.s.timing.heartbeat_s):
                     return
                 if any(h["kind"] == Kind.REHELLO for _, h, _ in wire.drain(sock)):

@@ -4,7 +4,8 @@ response objects and stream chunks built from what each choice generated, in the
 Every field is either honoured or refused with a 400 naming it (`param`); none is silently ignored. Fields
 that change nothing at their default (`logit_bias` empty, `best_of` equal to `n`, no `suffix`, no tools) are
 accepted at that default only. vLLM's own extensions are honoured as vLLM honours them: `min_tokens`, penalties,
-`stop_token_ids`, `skip_special_tokens`, `stream_options.continuous_usage_stats`, `stop_reason` in choices.
+`stop_token_ids`, `skip_special_tokens`, `stream_options.continuous_usage_stats`, `stop_reason` in choices,
+`prompt_logprobs` (and, as vLLM, `echo` with `logprobs` asks for the prompt's too and puts them first).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from coral_dagster.runtime.tokenizer import BOS, EOS, ByteTokenizer, apply_chat_
 # Choices one request may ask for (prompts × n), and stop strings and stop token ids per request.
 MAX_CHOICES = 64
 MAX_STOP = 16
+# Prompt log-probability entries (prompt tokens × (alternatives + 1)) one prompt may ask for: they travel back in one
+# message (`wire.MAX_HEADER_BYTES`).
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 16
 # Completions' default `max_tokens` (OpenAI's); chat's default is what the model's context leaves.
 DEFAULT_MAX_TOKENS = 16
 
@@ -93,9 +97,17 @@ class ApiRequest:
     # Chat tools (`runtime/tools.py`): how the output becomes tool calls; None without tools.
     tool_plan: tools.ToolPlan | None = None
 
-    def prompt_tokens(self, i: int) -> int:
+    @property
+    def echo_logprobs(self) -> bool:
+        """Echo with logprobs: the prompt's tokens and log-probabilities come first (vLLM's)."""
+        return self.echo and self.sampling.logprobs is not None
+
+    def prompt_ids(self, i: int) -> list[int]:
         prompt = self.prompts[i]
-        return len(prompt) if isinstance(prompt, tuple) else len(ByteTokenizer().encode(prompt))
+        return list(prompt) if isinstance(prompt, tuple) else ByteTokenizer().encode(prompt)
+
+    def prompt_tokens(self, i: int) -> int:
+        return len(self.prompt_ids(i))
 
     def submissions(self) -> list[dict[str, Any]]:
         """The coordinator `submit` headers, one per choice in choice order."""
@@ -178,9 +190,9 @@ def _prompts(body: dict[str, Any]) -> list[str | tuple[int, ...]]:
     raise _bad("prompt", "prompt must be a string, a list of strings, a list of token ids, or a list of those")
 
 
-def _content(message: Any, i: int) -> dict[str, str]:
+def _content(message: Any, i: int, parser: str) -> dict[str, str]:
     """One chat message as the template reads it: a role and text (text parts joined; an assistant's tool calls
-    written back as the Hermes blocks it would have said)."""
+    written back as it would have said them, in the model's tool-call `parser`'s format)."""
     if not isinstance(message, dict) or set(message) - {"role", "content", "name", "tool_calls", "tool_call_id"}:
         raise _bad("messages", f"messages[{i}] must be an object with role and content (and optionally name, "
                                "tool_calls, tool_call_id)")
@@ -188,7 +200,8 @@ def _content(message: Any, i: int) -> dict[str, str]:
     if role == "assistant" and message.get("tool_calls"):
         if not isinstance(message["tool_calls"], list):
             raise _bad("messages", f"messages[{i}].tool_calls must be a list of calls")
-        return {"role": role, "content": tools.rendered(message, content if isinstance(content, str) else "")}
+        return {"role": role, "content": tools.rendered(message, content if isinstance(content, str) else "",
+                                                        parser)}
     if role not in ROLES:
         raise _bad("messages", f"messages[{i}].role={role!r}: use one of {', '.join(ROLES)}")
     if isinstance(content, list):
@@ -226,7 +239,9 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise _bad("messages", "messages must be a non-empty list of {role, content} objects")
-        prompts: list[str | tuple[int, ...]] = [apply_chat_template([_content(m, i) for i, m in enumerate(messages)])]
+        parser = tools.parser_for(model)
+        prompts: list[str | tuple[int, ...]] = [apply_chat_template([_content(m, i, parser)
+                                                                     for i, m in enumerate(messages)])]
         if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
             raise _bad("max_completion_tokens", "send max_completion_tokens or max_tokens, not both")
         if body.get("top_logprobs") is not None and body.get("logprobs") is not True:
@@ -237,9 +252,6 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
         prompts = _prompts(body)
         logprobs = _int(body, "logprobs", None, 0, MAX_LOGPROBS)
         limit_name = "max_tokens"
-        if _bool(body, "echo") and logprobs is not None:
-            raise _bad("echo", "echo with logprobs needs the prompt's log-probabilities, which Coral does not "
-                               "compute; send one of them")
     n = _int(body, "n", 1, 1, MAX_CHOICES)
     if n * len(prompts) > MAX_CHOICES:
         raise _bad("n", f"{len(prompts)} prompts × n={n} choices exceed {MAX_CHOICES}; send several requests")
@@ -265,13 +277,14 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
     include_usage = bool(options and _bool(options, "include_usage"))
     # As vLLM: continuous usage needs include_usage.
     continuous = include_usage and bool(options and _bool(options, "continuous_usage_stats"))
+    prompt_logprobs = _prompt_logprobs(body, kind, logprobs, stream, prompts)
     temperature = _number(body, "temperature", 0.0, 0.0, 2.0)
     seed = _int(body, "seed", None, -(1 << 63), (1 << 64) - 1)
     stop, stop_ids = _stop(body)
     min_tokens = _int(body, "min_tokens", 0, 0, max_tokens or 0)
     try:
         grammar = structured.read(body)
-        tool_plan = tools.plan(body) if kind == "chat" else None
+        tool_plan = tools.plan(body, tools.parser_for(model)) if kind == "chat" else None
         if tool_plan is not None and tool_plan.grammar is not None:
             if grammar is not None:
                 raise structured.StructuredError("tool_choice", "a required or named tool_choice is a structured "
@@ -284,7 +297,7 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
         sampling = SamplingParams(temperature=temperature, top_p=_number(body, "top_p", 1.0, 0.0, 1.0),
                                   top_k=_int(body, "top_k", 0, -1, 1 << 31),
                                   seed=(secrets.randbits(63) if seed is None else seed % (1 << 63)),
-                                  logprobs=logprobs,
+                                  logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0),
                                   frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
                                   repetition_penalty=_penalty(body), min_tokens=min_tokens or 0,
@@ -297,6 +310,26 @@ def parse_request(body: Any, kind: str, models: list[str], context: dict[str, in
     return ApiRequest(kind, model, tuple(prompts), max_tokens, sampling, n, stop, stop_ids, stream, include_usage,
                       kind == "completion" and _bool(body, "echo"), _bool(body, "ignore_eos"), continuous, skip,
                       tool_plan)
+
+
+def _prompt_logprobs(body: dict[str, Any], kind: str, logprobs: int | None, stream: bool,
+                     prompts: list[str | tuple[int, ...]]) -> int | None:
+    """vLLM's `prompt_logprobs`, or on completions with `echo` the request's `logprobs` (vLLM's rule)."""
+    k = _int(body, "prompt_logprobs", None, 0, MAX_LOGPROBS)
+    param = "prompt_logprobs"
+    if k is not None and k > 0 and stream:
+        raise _bad(param, "prompt_logprobs are not available with stream: true (as in vLLM); stream echo with "
+                          "logprobs on /v1/completions, or leave stream out")
+    if k is None and kind == "completion" and _bool(body, "echo"):
+        k, param = logprobs, "logprobs"
+    if k is None:
+        return None
+    longest = max(len(p) if isinstance(p, tuple) else len(ByteTokenizer().encode(p)) for p in prompts)
+    if longest * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+        raise _bad(param, f"{param}={k} for a prompt of {longest} tokens asks for {longest * (k + 1)} "
+                          f"log-probabilities, more than {MAX_PROMPT_LOGPROB_ENTRIES}; ask for fewer alternatives or "
+                          "send a shorter prompt")
+    return k
 
 
 def _penalty(body: dict[str, Any]) -> float:
@@ -331,6 +364,10 @@ class Choice:
         self.released = self.released_tokens = self.generated = 0
         self.finish: str | None = None
         self.out = Piece()
+        # The prompt's log-probabilities (None for the first token), when the request asked for them.
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+        # Characters of `out.text` a streamed tool-using choice has sent as content (`tool_chunks`).
+        self.content_sent = 0
 
     def add(self, token: int, text: str, logprobs: TokenLogprobs | None) -> Piece:
         """Take one generated token; what can be released now (`finish` is set once a stop ended the choice)."""
@@ -391,19 +428,50 @@ def _logprobs(piece: Piece) -> list[TokenLogprobs] | None:
     return present
 
 
-def completion_logprobs(piece: Piece, offset: int) -> dict[str, Any] | None:
-    """The legacy completions `logprobs` object of `piece`, text offsets from `offset`."""
+def echoed(req: ApiRequest, c: Choice) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """Choice `c`'s prompt tokens and their log-probabilities (None for the first), which echo with logprobs puts
+    first."""
+    ids = req.prompt_ids(c.index // req.n)
+    if c.prompt_logprobs is None or len(c.prompt_logprobs) != len(ids):
+        raise RuntimeError(f"choice {c.index}: the prompt's log-probabilities did not arrive whole")
+    return ids, c.prompt_logprobs
+
+
+def completion_logprobs(piece: Piece, offset: int,
+                        prompt: tuple[list[int], list[TokenLogprobs | None]] | None = None) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object of `piece`, text offsets from `offset`; with `prompt` (echo), the
+    prompt's tokens and log-probabilities first. Each `top_logprobs` entry holds the token itself and the k most
+    likely (vLLM's), and is null where the token has no log-probability (the prompt's first)."""
     logprobs = _logprobs(piece)
-    if logprobs is None:
+    if prompt is None and logprobs is None:
         return None
-    texts = [_token_text(t) for t in piece.tokens]
+    tokens = [*(prompt[0] if prompt else []), *piece.tokens]
+    values = [*(prompt[1] if prompt else []), *(logprobs or [])]
+    texts = [_token_text(t) for t in tokens]
     offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)
-    return {"tokens": texts, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{_token_text(t): v for t, v in lp.top} for lp in logprobs],
+    return {"tokens": texts, "token_logprobs": [lp.logprob if lp else None for lp in values],
+            "top_logprobs": [{_token_text(t): lp.logprob, **{_token_text(a): v for a, v in lp.top}} if lp else None
+                             for t, lp in zip(tokens, values)],
             "text_offset": offsets}
+
+
+def vllm_prompt_logprobs(req: ApiRequest, c: Choice) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token null (the first) or, by token id, the token's and the k most
+    likely's `{logprob, rank, decoded_token}`."""
+    ids, values = echoed(req, c)
+    out: list[dict[str, Any] | None] = []
+    for token, lp in zip(ids, values):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": _token_text(token)}}
+        for rank, (t, v) in enumerate(lp.top, 1):
+            entry.setdefault(str(t), {"logprob": v, "rank": rank, "decoded_token": _token_text(t)})
+        out.append(entry)
+    return out
 
 
 def _entry(token: int, logprob: float) -> dict[str, Any]:
@@ -436,6 +504,7 @@ def prompt_text(req: ApiRequest, index: int) -> str:
 def response(req: ApiRequest, meta: dict[str, Any], choices: list[Choice]) -> dict[str, Any]:
     """The whole (non-streamed) response object."""
     out = []
+    asked = req.sampling.prompt_logprobs is not None
     for c in choices:
         if req.kind == "chat":
             message, finish = assistant(req, c)
@@ -443,9 +512,13 @@ def response(req: ApiRequest, meta: dict[str, Any], choices: list[Choice]) -> di
                         "finish_reason": finish, "stop_reason": c.stop_reason})
         else:
             echo = prompt_text(req, c.index) if req.echo else ""
-            out.append({"index": c.index, "text": echo + c.out.text, "logprobs": completion_logprobs(c.out, 0),
-                        "finish_reason": c.finish, "stop_reason": c.stop_reason, "token_ids": c.out.tokens})
-    return {**meta, "choices": out, "usage": usage(choices, req)}
+            logprobs = completion_logprobs(c.out, 0, echoed(req, c) if req.echo_logprobs else None)
+            out.append({"index": c.index, "text": echo + c.out.text, "logprobs": logprobs,
+                        "finish_reason": c.finish, "stop_reason": c.stop_reason, "token_ids": c.out.tokens,
+                        **({"prompt_logprobs": vllm_prompt_logprobs(req, c)} if asked else {})})
+    # vLLM's chat answer carries the (one) prompt's log-probabilities beside its choices.
+    whole = {"prompt_logprobs": vllm_prompt_logprobs(req, choices[0])} if asked and req.kind == "chat" else {}
+    return {**meta, "choices": out, "usage": usage(choices, req), **whole}
 
 
 def assistant(req: ApiRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
@@ -463,15 +536,27 @@ def assistant(req: ApiRequest, c: Choice) -> tuple[dict[str, Any], str | None]:
 
 
 def tool_chunks(req: ApiRequest, meta: dict[str, Any], c: Choice) -> list[dict[str, Any]]:
-    """A streamed tool-using choice's end: its content or its calls (OpenAI's delta shape, each call whole in one
-    delta), then its finish."""
-    message, finish = assistant(req, c)
-    delta: dict[str, Any] = {"content": message["content"]} if message.get("content") else {}
+    """A streamed tool-using choice's chunks for what it released so far: under `auto`, the content in which the
+    model's parser says no call can begin goes out as it comes; at the choice's end, the rest of its content or its
+    calls (OpenAI's delta shape, each call whole in one delta), then its finish. `c.content_sent` counts what went."""
+    tp = req.tool_plan
+    if tp is None:
+        raise RuntimeError("tool chunks of a request without tools")
+    text = c.out.text
+    upto = tools.PARSERS[tp.parser].start(text) if tp.mode == "auto" else 0
+    message, finish = assistant(req, c) if c.finish else ({}, None)
+    if c.finish and "tool_calls" not in message:
+        upto = len(text)
+    delta: dict[str, Any] = {"content": text[c.content_sent:upto]} if upto > c.content_sent else {}
+    c.content_sent = max(c.content_sent, upto)
     if "tool_calls" in message:
         delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-    ends = {"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish, "stop_reason": c.stop_reason}
-    return [{**meta, "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]},
-            {**meta, "choices": [ends]}]
+    out = [{**meta, "choices": [{"index": c.index, "delta": delta, "logprobs": None, "finish_reason": None}]}
+           ] if delta else []
+    if c.finish:
+        out.append({**meta, "choices": [{"index": c.index, "delta": {}, "logprobs": None, "finish_reason": finish,
+                                         "stop_reason": c.stop_reason}]})
+    return out
 
 
 def chunk(req: ApiRequest, meta: dict[str, Any], c: Choice, piece: Piece | None, finish: str | None,
@@ -483,9 +568,13 @@ def chunk(req: ApiRequest, meta: dict[str, Any], c: Choice, piece: Piece | None,
             {"content": piece.text} if piece.text else {})
         body = {"index": c.index, "delta": delta, "logprobs": chat_logprobs(piece), "finish_reason": finish}
     else:
-        offset = len(c.out.text) - len(piece.text)
+        # Echo with logprobs: offsets run over the prompt's tokens first, as the first chunk reports them.
+        echo = echoed(req, c) if req.echo_logprobs else None
+        base = len(ByteTokenizer().decode(echo[0])) if echo else 0
+        offset = 0 if first and echo else base + len(c.out.text) - len(piece.text)
         text = (prompt_text(req, c.index) if first and req.echo else "") + piece.text
-        body = {"index": c.index, "text": text, "logprobs": completion_logprobs(piece, offset),
+        body = {"index": c.index, "text": text, "logprobs": completion_logprobs(piece, offset,
+                                                                                echo if first else None),
                 "finish_reason": finish, **({"token_ids": piece.tokens} if piece.tokens else {})}
     if finish:
         body["stop_reason"] = c.stop_reason

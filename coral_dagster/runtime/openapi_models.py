@@ -80,6 +80,8 @@ class _Sampling(_Strict):
     guided_regex: str | None = Field(None, description="vLLM's older name of structured_outputs.regex.")
     guided_choice: list[str] | None = Field(None, description="vLLM's older name of structured_outputs.choice.")
     skip_special_tokens: bool | None = Field(None, description="vLLM's: leave BOS/EOS out of the text (default).")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="vLLM's: each prompt token's log-probability, "
+                                        "rank and the k most likely there (not with stream: true).")
     # Accepted only at the value that changes nothing (a 400 otherwise).
     logit_bias: dict[str, float] | None = Field(None, description="Only {} is accepted.")
 
@@ -163,6 +165,16 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int | None
+    decoded_token: str | None
+
+
+# vLLM's `prompt_logprobs`: per prompt token null (the first) or, by token id, the token's and the k most likely's.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -170,6 +182,8 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length"] | None
     stop_reason: int | str | None = Field(None, description="vLLM's: the stop string or token id that ended it.")
     token_ids: list[int] | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's, with prompt_logprobs (or echo and "
+                                                   "logprobs).")
 
 
 class CompletionResponse(BaseModel):
@@ -219,6 +233,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = Field(None, description="vLLM's, with prompt_logprobs.")
 
 
 class ModelCard(BaseModel):

@@ -134,8 +134,8 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     },
     Link.COORDINATOR_TO_CLIENT: {
         Kind.ACCEPTED: Shape(_RID, {"instances": D, "attempt": I}),
-        Kind.TOKEN: Shape(_RID, {"token": I, "index": I, "logprobs": L + NONE}),
-        Kind.DONE: Shape(_RID, {"tokens": L}), Kind.ERROR: Shape({"problem": S}, {"status": I}),
+        Kind.TOKEN: Shape(_RID, {"token": I, "index": I, "logprobs": L + NONE, "prompt_logprobs": L}),
+        Kind.DONE: Shape(_RID, {"tokens": L, "prompt_logprobs": L}), Kind.ERROR: Shape({"problem": S}, {"status": I}),
         Kind.DRAINING: Shape({"instance": S}), Kind.ADMITTED: Shape({"admit": S}), Kind.STATUS: Shape({"models": L}),
         Kind.CHALLENGE: Shape({"nonce": S}),
     },
@@ -144,11 +144,12 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
                              {"incarnation": S, "weight": N + NONE, "region": S + NONE, "split": L, "stages": L,
                               "limits": D + NONE, "proof": S}),
         Kind.HEARTBEAT: Shape(_INSTANCE, {"incarnation": S, "healthy": B, "in_flight": I, "draining": B,
-                                          "stages": L, "progressed": L, "stalled_s": N, "progress_timeout_s": N}),
+                                          "stages": L, "progressed": L, "stalled_s": N, "progress_timeout_s": N,
+                                          "kv_used_tokens": I, "kv_capacity_tokens": I}),
         Kind.HEALTH: Shape({**_INSTANCE, "healthy": B}, {"problem": S}),
-        Kind.TOKEN: Shape({**_INSTANCE, **_RID, "token": I}, {"logprobs": L + NONE}),
-        Kind.DONE: Shape({**_INSTANCE, **_RID, "finish_reason": S}),
-        Kind.PREFILLED: Shape({**_INSTANCE, **_RID, "token": I}, {"kv_transfer_params": D}),
+        Kind.TOKEN: Shape({**_INSTANCE, **_RID, "token": I}, {"logprobs": L + NONE, "prompt_logprobs": L}),
+        Kind.DONE: Shape({**_INSTANCE, **_RID, "finish_reason": S}, {"prompt_logprobs": L}),
+        Kind.PREFILLED: Shape({**_INSTANCE, **_RID, "token": I}, {"kv_transfer_params": D, "prompt_logprobs": L}),
         Kind.KV_ROUTE: Shape({**_INSTANCE, **_RID, "route": L}),
         Kind.ERROR: Shape({**_INSTANCE, **_RID, "problem": S}, {"status": I + NONE, "fix": S + NONE}),
         Kind.DRAINING: Shape(_INSTANCE), Kind.LEFT: Shape(_INSTANCE),
@@ -165,8 +166,9 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     Link.NODE_TO_SCHEDULER: {
         Kind.HELLO: Shape({**_NODE, "stage": I, "start": I, "end": I, "data": S, "model": S},
                           {"share": N, "engine": S, "streams": B, "incarnation": S, "proof": S}),
-        Kind.PULSE: Shape({**_NODE, "incarnation": S}),
-        Kind.TOKEN: Shape({**_NODE, **_RID, "token": I, "pos": I}, {"logprobs": L + NONE, "kv_transfer_params": D}),
+        Kind.PULSE: Shape({**_NODE, "incarnation": S}, {"kv_used_tokens": I, "kv_capacity_tokens": I}),
+        Kind.TOKEN: Shape({**_NODE, **_RID, "token": I, "pos": I}, {"logprobs": L + NONE, "kv_transfer_params": D,
+                                                                 "prompt_logprobs": L}),
         Kind.ERROR: Shape({**_NODE, **_RID, "problem": S}, {"status": I + NONE}),
     },
     Link.SCHEDULER_TO_NODE: {
@@ -175,7 +177,7 @@ MESSAGES: dict[Link, dict[Kind, Shape]] = {
     },
     Link.DATA: {
         Kind.FORWARD: Shape({**_RID, "pos": I, "stage": I, "route": L},
-                            {"handoff": L + NONE, "max_tokens": I, "kv_transfer_params": D, "mac": S}),
+                            {"handoff": L + NONE, "max_tokens": I, "kv_transfer_params": D, "mac": S, "targets": L}),
         Kind.KV: Shape({**_RID, "start": I, "end": I}, {"mac": S}),
     },
 }

@@ -27,7 +27,8 @@ class SamplingParams:
     vLLM's penalties apply to the raw logits before temperature, in vLLM's order: `repetition_penalty` over the
     prompt's tokens (`prompt_token_ids`) and the generated ones, then `frequency_penalty` times each generated
     token's count, then `presence_penalty` once per generated token. `min_tokens`: EOS and `stop_token_ids` cannot
-    be drawn before that many outputs (outputs counted from position `prompt_len`)."""
+    be drawn before that many outputs (outputs counted from position `prompt_len`). `prompt_logprobs` None returns
+    none of the prompt's; k each prompt token's log-probability, its rank and the k most likely there (vLLM's)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -41,6 +42,7 @@ class SamplingParams:
     prompt_len: int = 0
     stop_token_ids: tuple[int, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
     # A grammar every output must follow: (kind, text), kind one of `structured.KINDS` (`runtime/structured.py`).
     structured: tuple[str, str] | None = None
 
@@ -55,8 +57,9 @@ class SamplingParams:
              and 0 < self.top_p <= 1, "top_p", "in (0, 1]"),
             (is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1), "top_k", "0 or -1 (all) or more"),
             (is_int(self.seed) and -(1 << 63) <= self.seed < (1 << 64), "seed", "a 64-bit integer"),
-            (self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
-             f"an integer in [0, {MAX_LOGPROBS}]"),
+            *((getattr(self, name) is None
+               or (is_int(getattr(self, name)) and 0 <= getattr(self, name) <= MAX_LOGPROBS),
+               name, f"an integer in [0, {MAX_LOGPROBS}]") for name in ("logprobs", "prompt_logprobs")),
             *((isinstance(getattr(self, name), (int, float)) and not isinstance(getattr(self, name), bool)
                and math.isfinite(getattr(self, name)) and -2 <= getattr(self, name) <= 2, name, "in [-2, 2]")
               for name in ("presence_penalty", "frequency_penalty")),
@@ -122,6 +125,7 @@ class SamplingParams:
         return VllmSampling(structured_outputs=structured, temperature=self.temperature, top_p=self.top_p,
                             top_k=self.top_k,
                             seed=self.seed % (1 << 63) if not self.greedy else None, logprobs=self.logprobs,
+                            prompt_logprobs=self.prompt_logprobs,
                             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                             repetition_penalty=self.repetition_penalty,
                             max_tokens=max_tokens, ignore_eos=True, detokenize=False,
@@ -130,17 +134,19 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class TokenLogprobs:
-    """The sampled token's log-probability and the `k` most likely tokens with theirs, most likely first."""
+    """The sampled (or prompt) token's log-probability and the `k` most likely tokens with theirs, most likely first;
+    a prompt token's also its rank in the vocabulary (1: the most likely)."""
 
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None
 
     def message(self) -> list[Any]:
-        return [self.logprob, [list(t) for t in self.top]]
+        return [self.logprob, [list(t) for t in self.top], *([self.rank] if self.rank is not None else [])]
 
     @classmethod
     def from_message(cls, data: Any) -> TokenLogprobs | None:
         if data is None:
             return None
-        logprob, top = data
-        return cls(float(logprob), tuple((int(t), float(lp)) for t, lp in top))
+        logprob, top, *rank = data
+        return cls(float(logprob), tuple((int(t), float(lp)) for t, lp in top), int(rank[0]) if rank else None)

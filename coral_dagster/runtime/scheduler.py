@@ -47,6 +47,9 @@ class _Node:
     # The connection that said hello (its routing id) and the process behind it (a restart is another).
     ident: bytes = b""
     incarnation: str = ""
+    # Its KV cache as its pulses last said: tokens held and tokens it can hold (0: not said).
+    kv_used_tokens: int = 0
+    kv_capacity_tokens: int = 0
 
 
 @dataclass
@@ -71,6 +74,13 @@ class _Request:
     chunk_tokens: int = 0
     # When the request reached this instance: the prefill queue's tie-break.
     arrived: float = field(default_factory=time.monotonic)
+    # The prompt's log-probabilities (positions 1.., as messages) gathered chunk by chunk until the first token goes
+    # out with them; None where the request ran no prompt here or asked for none.
+    prompt_logprobs: list | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling is not None and self.sampling.get("prompt_logprobs") is not None
 
 
 class Scheduler:
@@ -217,10 +227,22 @@ class Scheduler:
                         "in_flight": len(self.requests), "draining": self.draining_since is not None,
                         "stages": self._stages(), "progressed": sorted(self._progressed),
                         "stalled_s": now - self._last_progress if self.requests else 0.0,
-                        "progress_timeout_s": self._progress_timeout_s()})
+                        "progress_timeout_s": self._progress_timeout_s(), **self._kv_usage()})
         self._progressed.clear()
         for n in self.nodes.values():
             self._to_node(n.node, {"kind": Kind.PING})
+
+    def _kv_usage(self) -> dict[str, int]:
+        """The instance's KV use for its heartbeat: that of its fullest stage (each stage holds every request's KV
+        for its layers, so the first stage to fill bounds the instance), its nodes' tokens summed; {} when no node
+        has said."""
+        stages = [(sum(n.kv_used_tokens for n in nodes), sum(n.kv_capacity_tokens for n in nodes))
+                  for nodes in ([n for n in self.nodes.values() if n.stage == s and n.kv_capacity_tokens]
+                                for s in range(len(self.ranges))) if nodes]
+        if not stages:
+            return {}
+        used, capacity = max(stages, key=lambda uc: uc[0] / uc[1])
+        return {"kv_used_tokens": used, "kv_capacity_tokens": capacity}
 
     def _drained(self, now: float, draining_since: float) -> bool:
         if self.requests and now - draining_since < self.cfg.timing.drain_timeout_s:
@@ -331,8 +353,13 @@ class Scheduler:
             wire.send(self.engines, {"kind": Kind.REHELLO}, to=ident)
         elif h["incarnation"] == node.incarnation:
             node.last_seen = now
+            if h.get("kv_capacity_tokens", 0) > 0 and h.get("kv_used_tokens", -1) >= 0:
+                node.kv_used_tokens, node.kv_capacity_tokens = h["kv_used_tokens"], h["kv_capacity_tokens"]
 
     def _node_token(self, h: dict[str, Any], now: float) -> None:
+        r = self.requests.get(h["rid"])
+        if r is not None and r.prompt_logprobs is not None:
+            r.prompt_logprobs += h.get("prompt_logprobs", [])
         self._token(h["rid"], h["token"], h["pos"], now, h.get("logprobs"), h.get("kv_transfer_params"))
 
     def _node_error(self, h: dict[str, Any], now: float) -> None:
@@ -435,12 +462,15 @@ class Scheduler:
             r.prompt_left = r.prompt_left[len(chunk):]
             r.chunk_tokens = len(chunk)
             self._prefill_in_flight += len(chunk)
-            self._send_step(r, chunk, None if r.prompt_left else r.handoff)
+            # The tokens each position of the chunk predicts: the rest of the chunk and the next chunk's first.
+            targets = chunk[1:] + r.prompt_left[:1] if r.prompt_logprobs is not None else None
+            self._send_step(r, chunk, None if r.prompt_left else r.handoff, targets=targets)
 
     def _send_step(self, r: _Request, tokens: list[int], handoff: list | None = None,
-                   kv_transfer_params: dict | None = None) -> None:
+                   kv_transfer_params: dict | None = None, targets: list[int] | None = None) -> None:
         header = {"kind": Kind.FORWARD, "rid": r.rid, "pos": r.pos, "stage": 0, "route": r.route, "handoff": handoff,
-                  "sampling": r.sampling, "mac": credentials.step_mac(self.route_key, r.rid, r.pos, 0)}
+                  "sampling": r.sampling, "mac": credentials.step_mac(self.route_key, r.rid, r.pos, 0),
+                  **({"targets": targets} if targets else {})}
         if r.streamed:
             header["max_tokens"] = r.max_tokens - r.n_out
         if kv_transfer_params is not None:
@@ -544,6 +574,8 @@ class Scheduler:
                     for (a, b), address in zip(self.ranges, route)]
             self._to_coord({"kind": Kind.KV_ROUTE, "rid": rid, "route": span})
         else:
+            if r.wants_prompt_logprobs:
+                r.prompt_logprobs = []
             self._forward(r, [int(x) for x in h["tokens"]], h.get("handoff") if kind == "prefill" else None)
 
     def _token(self, rid: str, token: int, pos: int, now: float, logprobs: Any = None,
@@ -562,20 +594,24 @@ class Scheduler:
                 self._pump_prefill()
                 return
         extra = {"logprobs": logprobs} if logprobs is not None else {}
+        # The prompt's log-probabilities go with the first output (or, when that is EOS, with the `done`).
+        prompt = {"prompt_logprobs": [None, *r.prompt_logprobs]} if r.prompt_logprobs is not None else {}
+        r.prompt_logprobs = None
         if r.mode == "prefill":
             del self.requests[rid]
             if kv_transfer_params is not None:
                 extra["kv_transfer_params"] = kv_transfer_params
-            self._to_coord({"kind": Kind.PREFILLED, "rid": rid, "token": token, **extra})
+            self._to_coord({"kind": Kind.PREFILLED, "rid": rid, "token": token, **extra, **prompt})
             return
         r.n_out += 1
         reason = finish_reason(token, r.n_out, r.max_tokens, r.ignore_eos)
         if reason != "stop":
-            self._to_coord({"kind": Kind.TOKEN, "rid": rid, "token": token, **extra})
+            self._to_coord({"kind": Kind.TOKEN, "rid": rid, "token": token, **extra, **prompt})
         if reason:
             del self.requests[rid]
             self._free(r)
-            self._to_coord({"kind": Kind.DONE, "rid": rid, "finish_reason": reason})
+            self._to_coord({"kind": Kind.DONE, "rid": rid, "finish_reason": reason,
+                            **(prompt if reason == "stop" else {})})
         elif not r.streamed:
             self._forward(r, [token])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import zlib
 from dataclasses import dataclass
 
@@ -17,6 +18,9 @@ from coral_dagster.runtime.tiny import DecoderConfig
 from coral_dagster.runtime.tokenizer import EOS
 
 KV = tuple[torch.Tensor, torch.Tensor]
+# Share of the memory free once the weights are in place that the KV cache may take (vLLM's default
+# `gpu_memory_utilization`): the torch engine's KV capacity, as vLLM sizes its block pool at start.
+KV_MEMORY_FRACTION = 0.9
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,17 @@ def sample(logits: torch.Tensor, params: list[SamplingParams | None], positions:
     return out
 
 
+def prompt_logprobs(logp: torch.Tensor, targets: tuple[int, ...], k: int) -> list[TokenLogprobs]:
+    """Each target's log-probability under its row of `logp` (`[n, vocab]`), its rank (vLLM's: how many tokens are
+    at least as likely, itself included) and the `k` most likely tokens there."""
+    ids = torch.tensor(targets, dtype=torch.long, device=logp.device)[:, None]
+    chosen = logp.gather(1, ids)
+    ranks = (logp >= chosen).sum(dim=1).tolist()
+    values, top = logp.topk(k, dim=-1)
+    return [TokenLogprobs(float(c), tuple(zip(map(int, t), map(float, v))), int(r))
+            for c, t, v, r in zip(chosen[:, 0].tolist(), top.tolist(), values.tolist(), ranks)]
+
+
 def penalised(row: torch.Tensor, p: SamplingParams, pos: int, outputs: list[int]) -> torch.Tensor:
     """`row` under vLLM's penalties and `min_tokens` (`row` itself when none applies), for the token drawn at
     position `pos` after `outputs` (vllm/model_executor/layers/utils.py `apply_penalties`, then the min-tokens
@@ -161,7 +176,7 @@ class TorchEngine(Engine):
     """Layers `[start, end)` of a `DecoderConfig`; requests are batched through every matrix multiply."""
 
     def __init__(self, cfg: DecoderConfig, start: int, end: int, device: str | None = None,
-                 cpu_threads: int | None = 1) -> None:
+                 cpu_threads: int | None = 1, kv_capacity_tokens: int | None = None) -> None:
         validate_layers(start, end, cfg.n_layers)
         self.cfg, self.start, self.end, self.n_layers, self.vocab = cfg, start, end, cfg.n_layers, cfg.vocab
         self.max_context = cfg.max_context
@@ -185,6 +200,28 @@ class TorchEngine(Engine):
         # Tokens the last stage sampled per request, kept for requests with penalties (what they count).
         self._outputs: dict[str, list[int]] = {}
         self.guides = Guides(cfg.vocab)
+        # Tokens of KV this node's layers may hold (given, as vLLM's `--num-gpu-blocks-override`, or from memory).
+        self.kv_capacity_tokens = kv_capacity_tokens or self._memory_kv_tokens()
+
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one position in this node's layers."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * len(self.layers) * self.cfg.n_kv_heads * self.cfg.head_dim * itemsize
+
+    def _memory_kv_tokens(self) -> int:
+        """Positions the memory free now (after the weights) holds at `KV_MEMORY_FRACTION`: the device's on CUDA,
+        the machine's available RAM on CPU. The engine allots nothing up front; this is the bound its caches meet."""
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return max(1, int(free * KV_MEMORY_FRACTION) // self.kv_bytes_per_token())
+
+    def kv_usage(self) -> tuple[int, int]:
+        """Positions cached over all requests (per local layer, a partial handoff counted by its share of layers)
+        and the capacity."""
+        held = sum(kv[0].shape[1] for layers in self._cache.values() for kv in layers if kv is not None)
+        return held // len(self.layers), self.kv_capacity_tokens
 
     def _move(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(device=self.device, dtype=self.dtype)
@@ -276,7 +313,18 @@ class TorchEngine(Engine):
                 self._outputs[s.rid].append(token)
             if s.sampling is not None and s.sampling.structured:
                 self.guides.advance(s.rid, token)
-        return [StepOutput(s.rid, token=token, logprobs=lp) for s, (token, lp) in zip(steps, sampled)]
+        prompt = [self._prompt_logprobs(x[e - n:e], s) for s, n, e in zip(steps, sizes, ends)]
+        return [StepOutput(s.rid, token=token, logprobs=lp, prompt_logprobs=p)
+                for s, (token, lp), p in zip(steps, sampled, prompt)]
+
+    def _prompt_logprobs(self, x: torch.Tensor, step: Step) -> list[TokenLogprobs] | None:
+        """The log-probabilities of `step.targets` from the step's last-layer states `x` (row i predicts target i),
+        when its sampling asks for the prompt's."""
+        k = step.sampling.prompt_logprobs if step.sampling is not None else None
+        if k is None or not step.targets or self.final_norm is None or self.lm_head is None:
+            return None
+        rows = rms_norm(x[:len(step.targets)], self.final_norm, self.cfg.norm_eps)
+        return prompt_logprobs(torch.log_softmax(F.linear(rows, self.lm_head).float(), dim=-1), step.targets, k)
 
     def _append(self, rid: str, li: int, k: torch.Tensor, v: torch.Tensor) -> KV:
         kv = self._cache[rid][li]

@@ -134,13 +134,19 @@ class VllmEngine(Engine):
         os.environ.update(launch.env())
         self.launch, self.start, self.end, self.n_layers, self.vocab = launch, 0, n_layers, n_layers, vocab
         self.max_context = launch.max_model_len
-        self.llm = LLMEngine.from_engine_args(engine_args(launch.argv(0)))
+        # vLLM's own share of its KV block pool in use (`SchedulerStats.kv_cache_usage`), as its scheduler last
+        # reported it to the stat loggers.
+        self.kv_cache_usage = 0.0
+        self.llm = LLMEngine.from_engine_args(engine_args(launch.argv(0)), stat_loggers=[self._stat_logger()])
         self._length: dict[str, int] = {}
-        # Alternatives each request asked log-probabilities of.
+        # Alternatives each request asked log-probabilities of, for its outputs and for its prompt.
         self._top: dict[str, int] = {}
+        self._prompt_top: dict[str, int] = {}
         # PD prefill requests running, and the `kv_transfer_params` vLLM finished each with ({}: none) until read.
         self._prefills: set[str] = set()
         self.kv_params: dict[str, dict] = {}
+        # The prompt's log-probabilities (positions 1..) vLLM reported for a request, until read.
+        self.prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
 
     def submit(self, rid: str, prompt: np.ndarray, max_tokens: int, sampling: SamplingParams | None = None,
                kv_transfer_params: dict | None = None) -> None:
@@ -161,9 +167,13 @@ class VllmEngine(Engine):
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": kv_transfer_params}
             if kv_transfer_params.get("do_remote_decode"):
                 self._prefills.add(rid)
+            else:
+                # A decode request's prompt is the prefill instance's to report (its KV is loaded, not computed).
+                params.prompt_logprobs = None
         self.llm.add_request(rid, {"prompt_token_ids": tokens}, params)
         self._length[rid] = len(tokens)
         self._top[rid] = sampling.logprobs or 0
+        self._prompt_top[rid] = sampling.prompt_logprobs or 0
 
     def has_work(self) -> bool:
         return self.llm.has_unfinished_requests()
@@ -173,6 +183,11 @@ class VllmEngine(Engine):
         it produced, in order."""
         out = []
         for o in self.llm.step():
+            if o.prompt_logprobs and o.prompt_token_ids:
+                # vLLM's list starts with None (the first prompt token has no log-probability).
+                self.prompt_logprobs[o.request_id] = [
+                    _logprobs(position, int(token), self._prompt_top[o.request_id])
+                    for position, token in zip(o.prompt_logprobs[1:], o.prompt_token_ids[1:])]
             completion = o.outputs[0] if o.outputs else None
             for i, token in enumerate(completion.token_ids if completion else ()):
                 self._length[o.request_id] = self._length.get(o.request_id, 0) + 1
@@ -185,12 +200,38 @@ class VllmEngine(Engine):
                     self.kv_params[o.request_id] = o.kv_transfer_params or {}
                 self._length.pop(o.request_id, None)
                 self._top.pop(o.request_id, None)
+                self._prompt_top.pop(o.request_id, None)
         return out
 
     def kv_cache_tokens(self) -> int:
         """Tokens of KV cache vLLM allotted (blocks × block size), the same on every worker."""
         cache = self.llm.vllm_config.cache_config
         return int(cache.num_gpu_blocks) * int(cache.block_size)
+
+    def kv_usage(self) -> tuple[int, int]:
+        """vLLM's KV use (its block pool's used share, as tokens) and capacity; none held once no request is left
+        (vLLM reports its use only from a step, and none follows the last request's end or abort)."""
+        capacity = self.kv_cache_tokens()
+        return round(self.kv_cache_usage * capacity) if self.has_work() else 0, capacity
+
+    def _stat_logger(self):
+        """A vLLM stat logger factory whose logger keeps the scheduler's KV usage on this engine."""
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        engine = self
+
+        class KvUsage(StatLoggerBase):
+            def __init__(self, vllm_config, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0) -> None:
+                if scheduler_stats is not None:
+                    engine.kv_cache_usage = float(scheduler_stats.kv_cache_usage)
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return KvUsage
 
     def held_layers(self) -> list[list[int]]:
         """Per pipeline rank, the decoder layers its worker holds (vLLM leaves `PPMissingLayer` elsewhere).
@@ -213,6 +254,8 @@ class VllmEngine(Engine):
 
     def free(self, rid: str) -> None:
         self._top.pop(rid, None)
+        self._prompt_top.pop(rid, None)
+        self.prompt_logprobs.pop(rid, None)
         self._prefills.discard(rid)
         self.kv_params.pop(rid, None)
         if self._length.pop(rid, None) is not None:
@@ -226,9 +269,9 @@ def _not_per_step() -> CoralError:
 
 def _logprobs(position: dict, token: int, k: int) -> TokenLogprobs:
     """vLLM's log-probabilities of one position (token id -> Logprob: the k most likely, ranks 1..k, and the
-    sampled token at its own rank) as Coral's."""
+    sampled or prompt token at its own rank) as Coral's."""
     top = sorted((lp.rank, t, float(lp.logprob)) for t, lp in position.items() if lp.rank is not None and lp.rank <= k)
-    return TokenLogprobs(float(position[token].logprob), tuple((t, lp) for _, t, lp in top))
+    return TokenLogprobs(float(position[token].logprob), tuple((t, lp) for _, t, lp in top), position[token].rank)
 
 
 def _held_layers(worker) -> list[int]:

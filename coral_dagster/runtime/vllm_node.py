@@ -51,5 +51,7 @@ class VllmNode(EngineNode[VllmEngine]):
             extra: dict[str, Any] = {"logprobs": logprobs.message()} if logprobs else {}
             if rid in self.engine.kv_params:
                 extra["kv_transfer_params"] = self.engine.kv_params.pop(rid)
+            if rid in self.engine.prompt_logprobs:
+                extra["prompt_logprobs"] = [lp.message() for lp in self.engine.prompt_logprobs.pop(rid)]
             self._to_scheduler({"kind": Kind.TOKEN, "rid": rid, "token": token, "pos": pos, **extra})
         return self.engine.has_work()

@@ -55,7 +55,7 @@ from coral_dagster.allocation.types import Plan
 from coral_dagster.catalog.gpus import node_spec
 from coral_dagster.catalog.models import get_model
 from coral_dagster.errors import CoralError
-from coral_dagster.routing import Admission, Candidate, Router, instance_weight
+from coral_dagster.routing import Candidate, Router, instance_weight, plan_admission
 from coral_dagster.profiles.stage_times import fused_step_ms
 from coral_dagster.simulator.latency import LatencyModel
 from coral_dagster.simulator.workload import Workload
@@ -313,8 +313,7 @@ class Engine:
                 self._limit_context(inst)
                 self.instances.append(inst)
         self.router = Router()
-        adm = plan.admission
-        self.admission = Admission(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak) if adm.limits else None
+        self.admission = plan_admission(plan)
         self.candidates = {m: [i.candidate for i in self.instances if i.model == m] for m in workload.models}
         self.by_key = {i.candidate.key: i for i in self.instances}
         n = len(workload)

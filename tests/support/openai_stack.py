@@ -30,12 +30,18 @@ PROMPT = "The coral reef"
 
 
 class CountingEngine(TorchEngine):
-    """The torch engine, counting the forward steps it runs per request (to see generation stop)."""
+    """The torch engine, counting the forward steps it runs per request (to see generation stop); while `frozen`,
+    steps after a request's first (its prompt) wait as for a KV handoff, so the caches hold just the prompts."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.steps: dict[str, int] = {}
         self.last_step = time.monotonic()
+        self.frozen = False
+
+    def cache_length(self, rid):
+        have = super().cache_length(rid)
+        return None if self.frozen and have else have
 
     def forward(self, steps):
         for s in steps:
@@ -45,9 +51,12 @@ class CountingEngine(TorchEngine):
 
 
 class Served:
-    """A coordinator (HTTP on), one instance of two torch stages; `last` is the last stage's engine."""
+    """A coordinator (HTTP on), one instance of two torch stages (with `pd`, a prefill and a decode instance that
+    hands its KV over); `last` is the last stage's engine. Each stage's KV capacity is `kv_capacity_tokens`
+    (default: from memory)."""
 
-    def __init__(self, stack: ExitStack, read_timeout_s: float = 10.0) -> None:
+    def __init__(self, stack: ExitStack, read_timeout_s: float = 10.0, kv_capacity_tokens: int | None = None,
+                 pd: bool = False) -> None:
         keys = CurveKeys.generate()
         self.port = free_port()
         ctx = zmq.Context()
@@ -59,17 +68,18 @@ class Served:
         self.thread = threading.Thread(target=self.coord.run, args=(self.stop,), daemon=True)
         self.thread.start()
         stack.callback(lambda: (self.stop.set(), self.thread.join(timeout=20)))
-        sched = Scheduler(SchedulerConfig("i0", MODEL, "aggregated", (6, 6), CFG.n_layers, self.coord.address,
-                                          listen="tcp://127.0.0.1:*", timing=TIMING,
-                                          limits=ModelLimits(CFG.vocab, CFG.max_context)), keys, ctx=zmq.Context())
-        background(stack, sched.run)
-        self.engines = []
-        for stage, (start, end) in enumerate(((0, 6), (6, 12))):
-            engine = CountingEngine(CFG, start, end, device="cpu")
-            node = EngineNode(NodeSettings(f"i0.s{stage}", MODEL, start, end, CFG.n_layers, stage, sched.address,
-                                           timing=TIMING), engine, keys, ctx=zmq.Context())
-            background(stack, node.run)
-            self.engines.append(engine)
+        self.engines: list[CountingEngine] = []
+        for name, phase in ((("p0", "prefill"), ("d0", "decode")) if pd else (("i0", "aggregated"),)):
+            sched = Scheduler(SchedulerConfig(name, MODEL, phase, (6, 6), CFG.n_layers, self.coord.address,
+                                              listen="tcp://127.0.0.1:*", timing=TIMING,
+                                              limits=ModelLimits(CFG.vocab, CFG.max_context)), keys, ctx=zmq.Context())
+            background(stack, sched.run)
+            for stage, (start, end) in enumerate(((0, 6), (6, 12))):
+                engine = CountingEngine(CFG, start, end, device="cpu", kv_capacity_tokens=kv_capacity_tokens)
+                node = EngineNode(NodeSettings(f"{name}.s{stage}", MODEL, start, end, CFG.n_layers, stage,
+                                               sched.address, timing=TIMING), engine, keys, ctx=zmq.Context())
+                background(stack, node.run)
+                self.engines.append(engine)
         self.url = f"http://127.0.0.1:{self.port}"
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=KEY, max_retries=0, timeout=120)
         deadline = time.monotonic() + 60
