@@ -16,8 +16,8 @@ class SimCloud:
     `capacity(region, node)` is how many nodes of that configuration the region gives in the current window (set
     by the loop); a launch beyond it raises `LaunchError` and is recorded in `refused`, as a cloud's capacity error
     (e.g. GCP's ZONE_RESOURCE_POOL_EXHAUSTED) does. Otherwise a launch fails at random with `failure_rate`
-    (seeded: the same day fails the same launches). Clusters without accelerators (the coordinator's CPU VM) are
-    never short."""
+    (seeded: the same day fails the same launches). Clusters without accelerators (the CPU VMs of the coordinators
+    and the endpoint) are never short."""
 
     capacity: Callable[[str, str], int]
     failure_rate: float = 0.0

@@ -40,6 +40,7 @@ from coral_dagster.day.shape import (SIZINGS, availability_window, day_spec, dra
 from coral_dagster.day.windows import WindowInputs
 from coral_dagster.deploy import state
 from coral_dagster.deploy.reconcile import reconcile
+from coral_dagster.deploy.spec import GPU_ROLES
 from coral_dagster.errors import UnknownNameError
 from coral_dagster.reallocation import PlanState, decide_replan
 from coral_dagster.store import Store
@@ -267,7 +268,7 @@ class DayLoop:
         returns the nodes stopped."""
         templates = {i.template.template_id: i.template for i in plan.instances}
         nodes = state.read_nodes(self.store)
-        nodes = nodes[nodes.role != "coordinator"]
+        nodes = nodes[nodes.role.isin(GPU_ROLES)]
         spec = day_spec(self.scenario)
         new: list[_Instance] = []
         gone: list[_Instance] = []
