@@ -28,19 +28,32 @@ def scenario_partitions(scenario: str) -> list[str]:
     return keys
 
 
+class TemplateLibraryConfig(dg.Config):
+    """Whether a partition whose model's templates are already stored under its scenario's library key (built from
+    the same models, nodes, data files and T̂ rule) keeps them instead of building them again."""
+
+    reuse_stored: bool = False
+
+
 @dg.asset(group_name="templates", partitions_def=template_partitions, kinds={"duckdb", "python"}, deps=["profiles"])
-def template_library(context: dg.AssetExecutionContext, duckdb: CoralDuckDB) -> dg.MaterializeResult:
+def template_library(context: dg.AssetExecutionContext, duckdb: CoralDuckDB,
+                     config: TemplateLibraryConfig) -> dg.MaterializeResult:
     """Every non-dominated template of each model of a run's partitions (one per scenario and model; `coral run`
-    builds a scenario's models in one run), prefill, decode and aggregated, in `templates`."""
+    builds a scenario's models in one run), prefill, decode and aggregated, in `templates`. Materialized from the
+    UI it builds them; `coral run` keeps a library already stored for the same inputs (`reuse_stored`)."""
     import pandas as pd
 
-    from coral_dagster.app.rounds import store_model_templates
+    from coral_dagster.app.rounds import store_model_templates, stored_model_templates
     from coral_dagster.templates.library import build_library_with_stats
 
-    rows, build_s, per_phase = 0, 0.0, []
+    rows, build_s, per_phase, reused = 0, 0.0, [], []
     for key in context.partition_keys:
         name, model = key.split("/", 1)
         scenario = load_scenario(name)
+        if config.reuse_stored and (kept := stored_model_templates(duckdb.store(), scenario, model)):
+            rows += kept
+            reused.append(key)
+            continue
         templates, stats = build_library_with_stats(scenario, models=[model])
         rows += store_model_templates(duckdb.store(), scenario, model, templates)
         build_s += stats.total_s
@@ -50,7 +63,9 @@ def template_library(context: dg.AssetExecutionContext, duckdb: CoralDuckDB) -> 
         "templates": dg.MetadataValue.int(rows),
         **row_count(rows),
         "build_s": dg.MetadataValue.float(round(build_s, 2)),
-        "per_phase": dg.MetadataValue.md(pd.concat(per_phase).to_markdown(index=False)),
+        "reused": dg.MetadataValue.json(reused),
+        "per_phase": dg.MetadataValue.md(pd.concat(per_phase).to_markdown(index=False) if per_phase else
+                                         "every partition kept its stored templates"),
     })
 
 

@@ -31,6 +31,7 @@ from bench._results import write_result
 from coral_dagster.allocation.goodput import fluid_goodput
 from coral_dagster.app.scenario_plans import plan_scenario
 from coral_dagster.errors import CoralError
+from coral_dagster.routing import admission_shares
 
 PROMISE_TOLERANCE, ATTAINMENT_FLOOR = 0.1, 0.95
 PAPER = {"cauchy": "2.39× (extended)", "homo": "7.64× (extended)"}
@@ -74,11 +75,12 @@ def evaluate(plan, scn, seeds, duration_s: float) -> dict:
 
 
 def promise(plan, ev) -> dict:
-    """Per model: the share promised, the delivered shares over seeds (requests, tokens) and their ratios to it;
-    the requests/s served and offered per seed, and served over the rate the plan admits at its demand (the
-    admission keeps the share, so a window offering more or less than the plan's demand is served more or less
-    than that rate)."""
-    promised = fluid_goodput(plan).per_model
+    """Per model: the share promised (what `coral plan` prints and admission keeps, `routing.admission_shares`,
+    for a model the plan serves less than its demand; the fluid share of the others), the delivered shares over
+    seeds (requests, tokens) and their ratios to it; the requests/s served and offered per seed, and served over
+    the rate the plan admits at its demand (the admission keeps the share, so a window offering more or less than
+    the plan's demand is served more or less than that rate)."""
+    promised = {**fluid_goodput(plan).per_model, **(admission_shares(plan) if plan.admission.limits else {})}
     out = {}
     for model, share in sorted(promised.items()):
         got = [r["delivered"][model] for r in ev["runs"] if model in r["delivered"]]

@@ -92,12 +92,14 @@ class PipelineRun:
 def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment_target: float = 0.95,
                          rate_scale: float = 1.0,
                          closed_loop: bool = True, on_step=None, log_level: str = "WARNING",
-                         db_path: str | None = None, prices_path: str | None = None) -> PipelineRun:
+                         db_path: str | None = None, prices_path: str | None = None,
+                         reuse_templates: bool = True) -> PipelineRun:
     """Run the `coral_pipeline` job for one scenario, in process: one run, tagged with the scenario, recorded in the
     instance at `dagster_home()`, its template library over the scenario's partitions. A failed blocking check
     stops what depends on it; an asset that raises `CoralError` stops the run with that error. `on_step(text)` is
     told the run as it starts; Dagster's console log shows `log_level` and above. `db_path`: the DuckDB file
-    (default: `$CORAL_DB`, else the bundled file); `prices_path`: a price CSV replacing the bundled rows."""
+    (default: `$CORAL_DB`, else the bundled file); `prices_path`: a price CSV replacing the bundled rows;
+    `reuse_templates`: keep each model's templates already stored for the same inputs (else build them again)."""
     from assets.templates import scenario_partitions
 
     partitions = scenario_partitions(scenario)
@@ -116,7 +118,8 @@ def materialize_pipeline(scenario: str, *, simulate_s: float = 120.0, attainment
                          resources=resources).resolve_job_def(pipeline_job.name)
     ops = {"plan_simulation": {"config": {"duration_s": simulate_s, "attainment_target": attainment_target,
                                           "rate_scale": rate_scale}},
-           "allocation_plan": {"config": {"closed_loop": closed_loop}}}
+           "allocation_plan": {"config": {"closed_loop": closed_loop}},
+           "template_library": {"config": {"reuse_stored": reuse_templates}}}
     tag = uuid.uuid4().hex
     tags = {"coral/scenario": scenario, "coral/pipeline": tag,
             "dagster/asset_partition_range_start": partitions[0], "dagster/asset_partition_range_end": partitions[-1]}

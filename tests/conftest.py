@@ -76,6 +76,12 @@ def vllm_node_env(request) -> dict[str, str]:
 
 
 @pytest.fixture(scope="session")
+def node_env(vllm_node_env) -> dict[str, str]:
+    """The node environment, as the vLLM test modules name it."""
+    return vllm_node_env
+
+
+@pytest.fixture(scope="session")
 def hf(tmp_path_factory):
     """Hugging Face transformers' `LlamaForCausalLM` on the tiny model's exported weights: the oracle the torch
     engine's answers are checked against."""

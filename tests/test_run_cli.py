@@ -58,14 +58,15 @@ def two_runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("run")
     env = {"CORAL_DB": str(tmp / "c.duckdb"), "DAGSTER_HOME": str(tmp / "home")}
-    runs = []
+    runs, libraries = [], []
     for target in ("0", "1"):
         result = CliRunner(mix_stderr=False).invoke(
             main, ["run", "--simulate-s", "30", "--attainment-target", target], env=env, catch_exceptions=False)
         store = Store(tmp / "c.duckdb")
         plan_id = store.query("SELECT plan_id FROM plans WHERE method = 'coral' ORDER BY created_at DESC LIMIT 1")
         runs.append((result, str(plan_id["plan_id"].iloc[0]), float(target)))
-    return tmp, Store(tmp / "c.duckdb"), runs
+        libraries.append(store.query("SELECT * FROM templates ORDER BY template_id"))
+    return tmp, Store(tmp / "c.duckdb"), runs, libraries
 
 
 def _violations(store, plan_id: str) -> list[str]:
@@ -79,7 +80,7 @@ def _violations(store, plan_id: str) -> list[str]:
 
 @pytest.mark.slow
 def test_run_exit_code_follows_the_checks_and_failed_ones_read_as_sentences(two_runs):
-    tmp, store, runs = two_runs
+    tmp, store, runs, _ = two_runs
     for result, plan_id, target in runs:
         sim = store.query("SELECT model, attainment FROM simulations WHERE plan_id = ?", [plan_id])
         short = sim[sim["attainment"] < target]
@@ -102,7 +103,7 @@ def test_run_exit_code_follows_the_checks_and_failed_ones_read_as_sentences(two_
 
 @pytest.mark.slow
 def test_run_summary_names_the_plan_compares_it_and_shows_every_baseline(two_runs):
-    _, store, runs = two_runs
+    _, store, runs, _ = two_runs
     (first, first_id, _), (second, second_id, _) = runs
     assert "This is the first coral plan of core" in first.stdout
     assert f"Against the previous coral plan of core ({first_id})" in second.stdout
@@ -125,7 +126,7 @@ def test_run_summary_names_the_plan_compares_it_and_shows_every_baseline(two_run
 def test_each_coral_run_is_one_named_run_tagged_with_its_scenario_whose_assets_share_one_plan(two_runs):
     """One `coral_pipeline` run per `coral run` (not one run per step), tagged with the scenario; downstream assets
     and checks record the plan id the run's `allocation_plan` made, and no deprecation warning is logged."""
-    tmp, store, runs = two_runs
+    tmp, store, runs, _ = two_runs
     with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
         records = instance.get_runs()
         assert [(r.job_name, r.tags["coral/scenario"]) for r in records] == [("coral_pipeline", "core")] * len(runs)
@@ -146,13 +147,39 @@ def test_each_coral_run_is_one_named_run_tagged_with_its_scenario_whose_assets_s
 
 
 @pytest.mark.slow
+def test_a_second_run_keeps_the_library_the_first_built_for_the_same_inputs(two_runs):
+    """The first `coral run` builds every core model's templates; the second, on the same DuckDB file and inputs,
+    keeps them (its template_library materialization lists every partition as reused and took no build time) and
+    the stored library is row for row what the first run built."""
+    from pandas.testing import assert_frame_equal
+
+    from assets.templates import scenario_partitions
+
+    tmp, _, _, libraries = two_runs
+    with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
+        metadata = []
+        for record in reversed(instance.get_runs()):
+            for entry in instance.all_logs(record.run_id):
+                event = entry.dagster_event
+                if event is not None and event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION:
+                    mat = event.event_specific_data.materialization
+                    if mat.asset_key.to_user_string() == "template_library":
+                        metadata.append(mat.metadata)
+    first, second = metadata
+    assert first["reused"].value == [] and first["build_s"].value > 0
+    assert second["reused"].value == scenario_partitions("core") and second["build_s"].value == 0
+    assert second["templates"].value == first["templates"].value == len(libraries[0]) > 0
+    assert_frame_equal(libraries[1], libraries[0])
+
+
+@pytest.mark.slow
 def test_documented_sql_returns_rows_on_the_store_coral_run_wrote_and_after_plan_and_simulate(two_runs):
     """Every SQL example of docs/plan-history.md (read from it) returns rows on the store `coral run` wrote; after
     `coral plan` and `coral simulate` of that new plan, "expected vs got" returns its models, with what they got."""
     import re
     from pathlib import Path
 
-    tmp, store, runs = two_runs
+    tmp, store, runs, _ = two_runs
     doc = (Path(__file__).resolve().parent.parent / "docs" / "plan-history.md").read_text()
     queries = re.findall(r"```sql\n(.*?)```", doc, re.S)
     expected_vs_got = [q for q in queries if "plan_expectations" in q]

@@ -89,6 +89,18 @@ def plan_by_model_region(plan: Plan) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols).sort_values(["model", "phase", "region", "nodes"]).reset_index(drop=True)
 
 
+def stored_model_templates(store: Store, scenario: Scenario, model: str) -> int:
+    """How many of one model's templates the store holds under the scenario's library key (0: none), that is built
+    from exactly the inputs this scenario would build them from (`Scenario.library_key`)."""
+    from coral_dagster.templates.library import TEMPLATES_TABLE
+
+    if "library_key" not in store.columns(TEMPLATES_TABLE):
+        return 0
+    rows = store.query(f"SELECT count(*) AS n FROM {TEMPLATES_TABLE} WHERE library_key = ? AND model = ?",
+                       [scenario.library_key, model])
+    return int(rows.n.iloc[0])
+
+
 def store_model_templates(store: Store, scenario: Scenario, model: str, templates) -> int:
     """Replace one model's templates in the scenario's stored library (the others stay); returns its count."""
     from coral_dagster.templates.library import load_library, store_library

@@ -35,17 +35,20 @@ def _bundled(ctx: click.Context, param: click.Parameter, value: str) -> str:
 @click.option("--closed-loop/--no-closed-loop", default=True, show_default=True,
               help="Simulate the Coral plan on each model's own trace and re-plan with more capacity for models "
                    "below target (at most 3 plans).")
+@click.option("--rebuild-templates", is_flag=True,
+              help="Build every model's templates again, even where the DuckDB file holds them for the same inputs "
+                   "(same models, nodes, data files and T̂ rule: the library key), which a run otherwise keeps.")
 @prices_path_option
 @db_option
 @json_option
 @click.pass_context
 def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target: float, closed_loop: bool,
-        prices_path: str | None, db_path: str | None, as_json: bool) -> None:
+        rebuild_templates: bool, prices_path: str | None, db_path: str | None, as_json: bool) -> None:
     """Run the pipeline end to end on the bundled data and print a summary.
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
-    template library (one partition per model of the scenario) → allocation plan → baselines → simulation →
-    deployment specs (SkyPilot dry run), with their checks. Everything lands in the DuckDB file, and the runs in
+    template library (one partition per model of the scenario; kept where already stored for the same inputs) →
+    allocation plan → baselines → simulation → deployment specs (SkyPilot dry run), with their checks. Everything lands in the DuckDB file, and the runs in
     the Dagster instance at $DAGSTER_HOME (default: the project's .dagster/), so `dagster dev` started with the
     same DAGSTER_HOME shows them. Exits 1 when a check fails (a failed blocking check also stops deployment).
     """
@@ -56,6 +59,7 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
     check_dagster_home(dagster_home())
     result = materialize_pipeline(scenario, simulate_s=simulate_s, attainment_target=attainment_target,
                                   closed_loop=closed_loop, db_path=db_path, prices_path=prices_path,
+                                  reuse_templates=not rebuild_templates,
                                   log_level="INFO" if verbose else "CRITICAL",
                                   on_step=lambda step: click.echo(f"materialize: {step}", err=True))
     store = Store(db_path)
