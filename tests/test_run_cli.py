@@ -159,12 +159,14 @@ def test_a_second_run_keeps_the_library_the_first_built_for_the_same_inputs(two_
     with dg.DagsterInstance.from_config(str(tmp / "home")) as instance:
         metadata = []
         for record in reversed(instance.get_runs()):
-            for entry in instance.all_logs(record.run_id):
-                event = entry.dagster_event
-                if event is not None and event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION:
-                    mat = event.event_specific_data.materialization
-                    if mat.asset_key.to_user_string() == "template_library":
-                        metadata.append(mat.metadata)
+            # One materialization per partition, each carrying the run's metadata.
+            per_partition = [entry.dagster_event.event_specific_data.materialization.metadata
+                             for entry in instance.all_logs(record.run_id)
+                             if entry.dagster_event is not None
+                             and entry.dagster_event.event_type == dg.DagsterEventType.ASSET_MATERIALIZATION
+                             and entry.dagster_event.asset_key.to_user_string() == "template_library"]
+            assert len(per_partition) == len(scenario_partitions("core"))
+            metadata.append(per_partition[0])
     first, second = metadata
     assert first["reused"].value == [] and first["build_s"].value > 0
     assert second["reused"].value == scenario_partitions("core") and second["build_s"].value == 0
