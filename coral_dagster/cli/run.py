@@ -48,9 +48,10 @@ def cli(ctx: click.Context, scenario: str, simulate_s: float, attainment_target:
 
     Materializes, in the Dagster code location, every asset: catalogs → market snapshot → profiles → demand →
     template library (one partition per model of the scenario; kept where already stored for the same inputs) →
-    allocation plan → baselines → simulation → deployment specs (SkyPilot dry run), with their checks. Everything lands in the DuckDB file, and the runs in
-    the Dagster instance at $DAGSTER_HOME (default: the project's .dagster/), so `dagster dev` started with the
-    same DAGSTER_HOME shows them. Exits 1 when a check fails (a failed blocking check also stops deployment).
+    allocation plan → baselines → simulation → deployment specs (SkyPilot dry run), with their checks. Everything
+    lands in the DuckDB file, and the runs in the Dagster instance at $DAGSTER_HOME (default: the project's
+    .dagster/), so `dagster dev` started with the same DAGSTER_HOME shows them. Exits 1 when a check fails (a
+    failed blocking check also stops deployment).
     """
     from coral_dagster.app.plans import Store, load_plan
     from coral_dagster.definitions import dagster_home, materialize_pipeline

@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 
 from coral_dagster.runtime.tiny import DecoderConfig, decoder_config
-from coral_dagster.runtime.tokenizer import BOS, CHAT_TEMPLATE, EOS, ByteTokenizer
+from coral_dagster.runtime.tokenizer import BOS, CHAT_TEMPLATE, EOS, N_BYTES, ByteTokenizer
 
 MODELS_ENV = "CORAL_MODELS_DIR"
 
@@ -31,6 +31,37 @@ def tokenizer_config(cfg: DecoderConfig) -> dict:
     names = ByteTokenizer()
     return {"chat_template": CHAT_TEMPLATE, "bos_token": f"<|{BOS}|>", "eos_token": f"<|{EOS}|>",
             "model_max_length": cfg.max_context, "vocab_size": names.vocab, "add_bos_token": True}
+
+
+def byte_level_chars() -> list[str]:
+    """GPT-2's byte-to-character table, which the `ByteLevel` pre-tokenizer and decoder of Hugging Face `tokenizers`
+    use: printable Latin-1 bytes stand for themselves, the other bytes for characters from U+0100 on, in order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = iter(range(N_BYTES, 2 * N_BYTES))
+    return [chr(b) if b in printable else chr(next(others)) for b in range(N_BYTES)]
+
+
+def tokenizer_json(cfg: DecoderConfig) -> dict:
+    """`tokenizer.json` (Hugging Face `tokenizers`' format) encoding and decoding as `ByteTokenizer`: a byte-level
+    BPE with no merges whose byte tokens are ids 0..255 and whose other ids are entries `<|id|>` that no text
+    encodes to but that decode to that text; BOS and EOS are also special tokens (BOS added before each text)."""
+    vocab = {ch: b for b, ch in enumerate(byte_level_chars())}
+    vocab.update({f"<|{t}|>": t for t in range(N_BYTES, cfg.vocab)})
+    special = [{"id": t, "content": f"<|{t}|>", "single_word": False, "lstrip": False, "rstrip": False,
+                "normalized": False, "special": True} for t in (BOS, EOS)]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
+    bos = f"<|{BOS}|>"
+    first, second = ({"Sequence": {"id": seq, "type_id": i}} for i, seq in enumerate("AB"))
+    prepend_bos = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos, "type_id": 0}}, first],
+                   "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, first, second],
+                   "special_tokens": {bos: {"id": bos, "ids": [BOS], "tokens": [bos]}}}
+    return {
+        "version": "1.0", "truncation": None, "padding": None, "added_tokens": special, "normalizer": None,
+        "pre_tokenizer": byte_level, "decoder": byte_level, "post_processor": prepend_bos,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
 
 
 def hf_state_dict(cfg: DecoderConfig) -> dict:
@@ -62,6 +93,7 @@ def export_tiny(name: str, root: Path | None = None) -> Path:
     config = json.dumps(hf_config(cfg), indent=2, sort_keys=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(cfg), indent=2, sort_keys=True))
+    (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(cfg), indent=1))
     if (out / "model.safetensors").is_file() and (out / "config.json").read_text() == config:
         return out
     tmp = out / "model.safetensors.tmp"
