@@ -199,14 +199,16 @@ def test_a_replan_hands_the_live_coordinator_its_admission_limits_once(store):
     reconcile(P1, "p1", store, launcher, drainer, PRICES)
     assert ("admit", "") not in calls and not [c for c in calls if c[0] == "admit"]
     coord = primary(nodes(store)).address.item()
-    short = replace(P2, admission=AdmissionLimits(admit_req_s={"gpt-oss-20b": 1.5},
-                                                  admit_depth_req={"gpt-oss-20b": 40.0}))
+    # Half of gpt-oss-20b's demand served: admission holds it to half of what it sends.
+    short = replace(P2, demand_tokens_per_s={("gpt-oss-20b", "prefill"): 100.0},
+                    served_tokens_per_s={("gpt-oss-20b", "prefill"): 50.0},
+                    admission=AdmissionLimits(admit_req_s={"gpt-oss-20b": 1.5}, admit_depth_req={"gpt-oss-20b": 40.0}))
     n_before = len(calls)
     reconcile(short, "p2", store, launcher, drainer, PRICES)
     new = calls[n_before:]
     adm = short.admission
-    text = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak)
-    assert parse_admit(text)[:2] == ({"gpt-oss-20b": 1.5}, {"gpt-oss-20b": 40.0})
+    text = format_admit(adm.admit_req_s, adm.admit_depth_req, adm.admit_peak, {"gpt-oss-20b": 0.5})
+    assert parse_admit(text) == ({"gpt-oss-20b": 1.5}, {"gpt-oss-20b": 40.0}, {}, {"gpt-oss-20b": 0.5})
     assert drainer.limits == {coord: text}
     at = new.index(("admit", text))
     assert all(i < at for i, c in enumerate(new) if c[0] == "launch")
