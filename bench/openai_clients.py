@@ -118,6 +118,16 @@ def run_clients(env: dict[str, str], server: Server, load: Load, out: Path) -> l
     return run_guidellm(env, server, load, out) + run_aiperf(env, server, load, out)
 
 
+def headline(rows: list[dict]) -> list[dict]:
+    """A row per client and concurrency: its TTFT and ITL medians, output throughput, and requests completed of
+    those sent with the errors it counted."""
+    return [{"figure": f"{r['client']} against coral serve local, {r['concurrency']} stream(s): TTFT p50, ITL p50, "
+                       "output tokens/s", "paper": None,
+             "ours": f"{r['ttft_ms_p50']:.1f} ms, {r['itl_ms_p50']:.2f} ms, {r['output_tokens_per_s']:.0f} tok/s "
+                     f"({r['completed']} of {r['sent']} requests, {r['errors']} errors)",
+             "rule": "-", "availability": "-", "section": "openai clients"} for r in rows]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrencies", default="1,4", help="comma-separated concurrent streams")
@@ -143,7 +153,7 @@ def main() -> None:
         print(" | ".join(cell(r[k]) for k in HEADER))
     path = write_result("openai_clients", {"clients": list(SPECS), "model": MODEL, "server": "coral serve local "
                         "(torch engine, one instance of one 12-layer stage, CPU)", "load": asdict(load),
-                        "cores": os.cpu_count(), "rows": rows}, out=args.out)
+                        "cores": os.cpu_count(), "headline": headline(rows), "rows": rows}, out=args.out)
     print(f"wrote {path}")
 
 
