@@ -1,11 +1,13 @@
 """Coral through a day: each method re-plans, launches and serves a scenario's day (`coral day`), side by side.
 
 Run: `python -m bench.day [--scenarios core,extended,large] [--hours 24] [--methods coral,homo-ilp,cauchy,static-peak]
-[--scale extended=0.2] [--no-bursts] [--steady-supply] [--peak-to-trough R] [--sizing forecast|window]
+[--scale extended=0.2] [--no-bursts] [--steady-supply] [--spot] [--peak-to-trough R] [--sizing forecast|window]
 [--serve fluid|requests] [--db PATH]`; the store must hold each scenario's template library
 (`coral templates build --scenario NAME`). `--scale NAME=F` runs scenario NAME at F × its request rates (e.g.
 extended at a demand its market can serve most of the day); `--no-bursts` keeps the diurnal shape alone;
 `--steady-supply` drops the availability series (every window sees the market profile: no scarcity cycle);
+`--spot` runs every node sold on spot there, at its spot price, taken back when the series' supply falls below the
+spot nodes held and preempted at random (DAY.md §4);
 `--peak-to-trough R` replaces the day's diurnal ratio (DAY.md §2's assumption) to show which way the result moves;
 `--serve requests` serves each window request by request in the simulator (`coral day --serve`) instead of the fluid
 estimate. Each row carries `demand_peak_over_mean`, the most any re-planning method can save against static-peak
@@ -56,7 +58,7 @@ def summary(result, replan_limit_s: float) -> dict:
     doc = result.as_dict()
     return {k: doc[k] for k in ("scenario", "method", "hours", "replan_interval_min", "cost_usd", "cost_usd_per_day",
                                 "usd_per_million_slo_tokens", "served_share", "max_replan_s", "nodes_launched",
-                                "nodes_failed")} | {
+                                "nodes_failed", "nodes_preempted")} | {
         "worst_window": doc["worst_window"]["window"], "worst_attainment": doc["worst_window"]["worst_attainment"],
         "windows_below_0_95": sum(w.worst_attainment < 0.95 for w in result.windows),
         "replans_over_half_interval": sum(w.replan_s > replan_limit_s for w in result.windows),
@@ -86,6 +88,7 @@ def headline(rows: list[dict], bursts: bool = True) -> list[dict]:
         how = "".join((", no bursts" if not bursts else "",
                        f", peak-to-trough {coral['peak_to_trough']:g}" if coral.get("peak_to_trough") != 2.0 else "",
                        ", steady supply" if coral.get("steady_supply") else "",
+                       ", spot" if coral.get("spot") else "",
                        ", served request by request" if coral.get("serve_mode") == "requests" else ""))
         out.append({"figure": f"{name}, {coral['hours']:g} h day{how}: best baseline ({best['method']}) ÷ Coral, "
                               "$ per million SLO-met tokens",
@@ -108,6 +111,8 @@ def main() -> None:
                     help="windows follow the diurnal shape only, not their traces' bursts (DAY.md §2)")
     ap.add_argument("--steady-supply", action="store_true",
                     help="availability stays at the market profile all day (no series: MARKET.md §5's cycle off)")
+    ap.add_argument("--spot", action="store_true",
+                    help="nodes sold on spot run there at spot prices and are preempted (DAY.md §4)")
     ap.add_argument("--peak-to-trough", type=float, default=None,
                     help="the diurnal peak-to-trough ratio instead of each scenario's (DAY.md §2's assumption)")
     ap.add_argument("--sizing", choices=("forecast", "window"), default="forecast",
@@ -128,6 +133,8 @@ def main() -> None:
             scn = replace(scn, availability_model=replace(scn.availability_model, series=None))
         if args.peak_to_trough is not None:
             scn = replace(scn, day=replace(day_spec(scn), peak_to_trough=args.peak_to_trough, hourly=()))
+        if args.spot:
+            scn = replace(scn, day=replace(day_spec(scn), spot=True))
         bound = peak_over_mean(scn, args.hours)
         templates = library_templates(scn, args.db)
         limit = scn.replan_interval_min * 30.0
@@ -138,7 +145,7 @@ def main() -> None:
             wall_s = time.perf_counter() - started
             rows.append(summary(res, limit) | {"rate_scale": scales.get(name, 1.0), "serve_mode": args.serve,
                                                "sizing": args.sizing, "peak_to_trough": day_spec(scn).peak_to_trough,
-                                               "steady_supply": args.steady_supply,
+                                               "steady_supply": args.steady_supply, "spot": args.spot,
                                                "demand_peak_over_mean": bound,
                                                "wall_s": wall_s, "wall_s_per_window": wall_s / len(res.windows)})
             results.setdefault(name, []).append(res)
@@ -147,7 +154,8 @@ def main() -> None:
                        else RESULTS / f"day_{name}.png")
     table = Table(title="a day per scenario and method")
     cols = ["scenario", "method", "cost_usd", "usd_per_million_slo_tokens", "served_share", "worst_attainment",
-            "windows_below_0_95", "max_replan_s", "replans_over_half_interval", "nodes_failed", "mixed_share_mean"]
+            "windows_below_0_95", "max_replan_s", "replans_over_half_interval", "nodes_failed", "nodes_preempted",
+            "mixed_share_mean"]
     for c in cols:
         table.add_column(c)
     for r in rows:
@@ -155,6 +163,7 @@ def main() -> None:
     console.print(table)
     path = write_result("day", {"hours": args.hours, "scales": scales, "bursts": not args.no_bursts,
                                 "serve_mode": args.serve, "sizing": args.sizing, "peak_to_trough": args.peak_to_trough,
+                                "spot": args.spot,
                                 "headline": headline(rows, not args.no_bursts), "rows": rows}, out=args.out)
     console.print(f"wrote {path}")
 

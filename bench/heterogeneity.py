@@ -10,7 +10,8 @@ rule (what `bench.equal_attainment` starts its closed loop from; each plan's wor
 windows is shown beside, so "equal attainment" can be checked cell by cell), under the `paper` rule fixed demand
 (the paper's tables). A method that cannot meet the demand is shown with the share it serves when scaled down
 (`--scarcity scale`). Per cell: Coral ÷ Homo-ILP, ÷ Cauchy, ÷ Homo (their cost over Coral's), the share of
-Coral's instances whose template mixes GPU types, and what binds (nodes at their count in Coral's and Homo-ILP's
+Coral's instances whose template mixes GPU types (where Coral cannot meet demand, of the plan serving its share),
+and what binds (nodes at their count in Coral's and Homo-ILP's
 plans, or the binding nodes an infeasible method reports). Writes bench/results/heterogeneity.json (headline rows)
 and heterogeneity.png (one heat map per scenario × rule × prices × level). `--mixes` repeats the map under
 imbalanced demand (coral.md §6), rows labelled `scenario:mix`; `--levels` below 1 is the paper's scarcity
@@ -114,6 +115,7 @@ def cell_row(scn_name, rule, prices, gp, sp, level, results: dict) -> dict:
            "coral_attainment": coral.get("worst_attainment"), "methods": results}
     if "served_share" in coral:
         row["coral_served_share"] = coral["served_share"]
+        row["mixed_share"] = coral.get("reach_mixed_share")  # of the plan serving that share
     for b in BASELINES:
         r = results.get(b, {})
         if coral.get("usd_per_hour") and r.get("usd_per_hour"):
@@ -145,7 +147,8 @@ def describe(rows: list[dict]) -> list[str]:
                          f"it at {r['coral_usd_per_hour']:,.2f} $/h; {share:.0%} of Coral's instances mixed")
         elif (r.get("coral_over_homo-ilp_served") or 0) >= PAYS:
             lines.append(f"{where}: neither meets demand; Coral serves {r['coral_served_share']:.1%}, "
-                         f"{r['coral_over_homo-ilp_served']:.2f}× Homo-ILP's {r['homo-ilp_served_share']:.1%}")
+                         f"{r['coral_over_homo-ilp_served']:.2f}× Homo-ILP's {r['homo-ilp_served_share']:.1%}; "
+                         f"{share:.0%} of Coral's instances mixed")
     return lines or ["no cell: Homo-ILP is within 5% of Coral wherever both meet demand"]
 
 

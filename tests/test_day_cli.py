@@ -33,6 +33,16 @@ def test_day_json_keys_store_and_plot(tmp_path):
         assert con.execute("SELECT count(*), max(method) FROM day_runs").fetchone() == (1, "coral")
         assert con.execute("SELECT count(*) FROM day_windows").fetchone() == (2,)
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # On spot the same day pays less: every node small uses sells on spot below its on-demand price, so the spot
+    # plan costs at most the on-demand plan at spot prices, which is less than that plan on demand.
+    res = CliRunner().invoke(main, ["day", "--scenario", str(scenario), "--hours", "0.2", "--db", str(db), "--spot",
+                                    "--json"])
+    assert res.exit_code == 0, res.output
+    spot = json.loads(res.output[res.output.index("{"):])
+    assert "nodes_preempted" in spot and "nodes_preempted" in spot["windows"][0]
+    assert spot["cost_usd"] < doc["cost_usd"]
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT list(spot ORDER BY created_at) FROM day_runs").fetchone() == ([False, True],)
 
 
 def test_day_refuses_an_unknown_method():

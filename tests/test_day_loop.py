@@ -10,14 +10,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import yaml
 
-from support.scenario_docs import small
+from support.scenario_docs import day_scenario as _scenario
 
 from coral_dagster.allocation.demand import trace_stats
 from coral_dagster.app.scenario_plans import library_templates
 from coral_dagster.catalog.prices import load_node_prices
-from coral_dagster.catalog.scenarios import load_scenario
 from coral_dagster.day.loop import DayLoop
 from coral_dagster.day.run import method_planner, run_day
 from coral_dagster.allocation.inputs import capacity_factors
@@ -28,15 +26,6 @@ from coral_dagster.store import Store
 FLAT = {"hourly": [1.0] * 24, "bursts": False, "boot_min": 0, "setup_min": 0, "weight_gbytes_per_s": 1000}
 STEP = {**FLAT, "hourly": [0.5] + [1.0] * 23, "boot_min": 3}
 TOLERANCE = 1e-3  # weights still take ~0.03 s at 1,000 GB/s: 1e-4 of a 6-minute window
-
-
-def _scenario(tmp: Path, day: dict, nodes: int = 1000, interval_min: float = 60.0, series: dict | None = None):
-    availability = {"default_nodes": nodes, **({"series": series} if series else {})}
-    doc = small(day=day, availability=availability,
-                allocation={"headroom": 1.1, "replan_interval_min": interval_min, "node_startup_min": 10})
-    path = tmp / f"day-{abs(hash(yaml.safe_dump(doc))) % 10**8}.yml"
-    path.write_text(yaml.safe_dump(doc))
-    return load_scenario(path)
 
 
 @pytest.fixture(scope="module")

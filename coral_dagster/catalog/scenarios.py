@@ -32,7 +32,7 @@ AVAILABILITY_KEYS = frozenset({"profile", "default_nodes", "base_nodes", "gpu_fa
 SERIES_KEYS = frozenset({"window_min", "multipliers", "gpus"})
 ALLOCATION_KEYS = frozenset({"headroom", "replan_interval_min", "node_startup_min"})
 DAY_KEYS = frozenset({"peak_hour", "peak_to_trough", "hourly", "bursts", "boot_min", "setup_min",
-                      "weight_gbytes_per_s"})
+                      "weight_gbytes_per_s", "spot", "preemptions_per_day"})
 # Bounds of the scenario format: wide enough for any real setting, tight enough that a typo cannot make a plan
 # silently meaningless (an SLO of a day, a billion requests per second) or a library build that never ends.
 MAX_SLO_MS = 600_000.0
@@ -82,7 +82,9 @@ class DaySpec:
     """A day of demand and cloud behaviour (data/scenarios/DAY.md): the diurnal shape of every model's rate
     (a cosine peaking at `peak_hour` UTC, `peak_to_trough` times its lowest, or 24 explicit `hourly` factors of the
     peak), whether each window also follows its trace's bursts, and a node's start-up: boot, setup and loading
-    its share of the weights at `weight_gbytes_per_s`."""
+    its share of the weights at `weight_gbytes_per_s`. With `spot`, every node sold on spot runs there at its spot
+    price and can be taken back: when a window's supply falls below the spot nodes held, and at random, a node's
+    chance of being preempted within a day being `preemptions_per_day`."""
 
     peak_hour: float = 15.0
     peak_to_trough: float = 2.0
@@ -91,6 +93,8 @@ class DaySpec:
     boot_min: float = 2.0
     setup_min: float = 3.0
     weight_gbytes_per_s: float = 0.5
+    spot: bool = False
+    preemptions_per_day: float = 0.0074
 
 
 @dataclass(frozen=True)
@@ -332,17 +336,22 @@ def _day(doc: Section, path: Path) -> DaySpec | None:
     if hourly and ("peak_hour" in day or "peak_to_trough" in day):
         raise CatalogError(path, "day", "hourly", "given together with peak_hour/peak_to_trough",
                            "describe the day either by hourly factors or by peak_hour and peak_to_trough, not both")
-    bursts = day.get("bursts", base.bursts)
+    bursts, spot = day.get("bursts", base.bursts), day.get("spot", base.spot)
     if not isinstance(bursts, bool):
         raise CatalogError(path, "day", "bursts", f"{bursts!r} is not true or false",
                            "write bursts: true (each window follows its trace's bursts) or false")
+    if not isinstance(spot, bool):
+        raise CatalogError(path, "day", "spot", f"{spot!r} is not true or false",
+                           "write spot: true (nodes sold on spot run there and can be preempted) or false")
     return DaySpec(peak_hour=_number(day, "peak_hour", path, "day", base.peak_hour, 0.0, 24.0),
                    peak_to_trough=_number(day, "peak_to_trough", path, "day", base.peak_to_trough, 1.0, 1000.0),
                    hourly=tuple(float(v) for v in hourly), bursts=bursts,
                    boot_min=_number(day, "boot_min", path, "day", base.boot_min, 0.0, MAX_MINUTES),
                    setup_min=_number(day, "setup_min", path, "day", base.setup_min, 0.0, MAX_MINUTES),
                    weight_gbytes_per_s=_number(day, "weight_gbytes_per_s", path, "day", base.weight_gbytes_per_s,
-                                               0.0, 1000.0, low_open=True))
+                                               0.0, 1000.0, low_open=True), spot=spot,
+                   preemptions_per_day=_number(day, "preemptions_per_day", path, "day", base.preemptions_per_day,
+                                               0.0, 0.99))
 
 
 def _served_model(name: str, base: str, path: Path, where: str) -> None:

@@ -10,7 +10,9 @@ holds its attainment target on what it admits when the capacity the rule sizes f
 attainment in the window is the time-weighted share of that capacity that is up (start-up lag and refused launches
 lower it). Re-plans size for a forecast (`shape.forecast_rates`: the last hour's peak carried along the day's shape
 until launches are up) or, with `sizing="window"`, for the window's own rates; nodes held stay held when the
-market's free pool shrinks.
+market's free pool shrinks, unless they run on spot (`day: spot`): then the cloud takes back those beyond the
+window's supply as it starts, and preempts others at random within it; what ran on them stops at that moment and
+is replaced by the next reconcile.
 With `serve_mode="requests"` the segments are served request by request instead (`day.serve`): the instances up in
 a segment serve that segment's arrivals in the event-driven simulator, behind admission recomputed for the capacity
 up. Requests still running at a segment's end finish on that segment's instances (a removed instance finishes what
@@ -37,6 +39,7 @@ from coral_dagster.day.cloud import SimCloud, SimDrainer
 from coral_dagster.day.serve import SERVE_MODES, Segment, WindowServing, serve_window
 from coral_dagster.day.shape import (SIZINGS, availability_window, day_spec, drain_s, forecast_rates, lookback_windows,
                                      raw_demand, startup_s, window_count, window_rates)
+from coral_dagster.day.spot import spot_nodes
 from coral_dagster.day.windows import WindowInputs
 from coral_dagster.deploy import state
 from coral_dagster.deploy.reconcile import reconcile
@@ -79,6 +82,7 @@ class WindowRow:
     mixed_share: float
     plan_id: str
     worst_admitted_attainment: float = 1.0
+    nodes_preempted: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,6 +127,7 @@ class DayResult:
                 "max_replan_s": max((w.replan_s for w in self.windows), default=0.0),
                 "nodes_launched": sum(w.nodes_launched for w in self.windows),
                 "nodes_failed": sum(w.nodes_failed for w in self.windows),
+                "nodes_preempted": sum(w.nodes_preempted for w in self.windows),
                 "windows": [asdict(w) for w in self.windows]}
 
 
@@ -186,7 +191,11 @@ class DayLoop:
                 return self.cloud_capacity(window_now[0], region, node)
             return market_now["m"].availability(region, NodeConfig.parse(node))
 
-        cloud = SimCloud(capacity, failure_rate=self.failure_rate, seed=self.seed)
+        spec = day_spec(self.scenario)
+        on_spot = spot_nodes(self.prices) if spec.spot else set()
+        cloud = SimCloud(capacity, failure_rate=self.failure_rate, seed=self.seed,
+                         spot=lambda region, node: (region, node) in on_spot,
+                         preemptions_per_day=spec.preemptions_per_day)
         drainer = SimDrainer()
         running: Plan | None = None
         pending = False
@@ -198,6 +207,9 @@ class DayLoop:
             market = self.scenario.market(window=availability_window(self.scenario, w), prices=self.prices,
                                           taken_at=DAY_START + timedelta(seconds=t0))
             market_now["m"], window_now[0] = market, w
+            # Spot nodes beyond the window's supply are taken back as it starts; what ran on them is replaced.
+            preempted = self._preempt(cloud, [(name, t0) for name in cloud.reclaim()])
+            pending = pending or preempted > 0
             rates = window_rates(self.scenario, w)
             observed.append(rates)
             if self.static_rates is not None:
@@ -238,8 +250,11 @@ class DayLoop:
             stopped = self._track(plan, t0)
             running = replace(plan, plan_id=plan_id)
             self.adopted.append(running)
+            hit = self._preempt(cloud, [(name, t0 + dt) for name, dt in cloud.preempt(interval_s)])
+            pending = pending or hit > 0
             row = self._serve(w, t0, interval_s, rates, running, replan_s, reasons, launched, stopped, failed,
                               blocked)
+            row = replace(row, nodes_preempted=preempted + hit)
             rows.append(row)
             if progress is not None:
                 progress(row)
@@ -262,6 +277,31 @@ class DayLoop:
         if decision.replan or running is None:
             return candidate, replan_s, "; ".join(decision.reasons)
         return running, replan_s, ""
+
+    def _preempt(self, cloud: SimCloud, hits: list[tuple[str, float]]) -> int:
+        """Spot clusters taken back at the given moments: each one's whole instance stops serving and billing then
+        (a pipeline cannot serve without a stage; its other nodes are downed with it) and is recorded down, so the
+        next reconcile launches a replacement. Returns the nodes preempted."""
+        if not hits:
+            return 0
+        nodes = state.read_nodes(self.store)
+        instance_of = dict(zip(nodes.cluster_name, nodes.instance_id))
+        when: dict[str, float] = {}
+        for name, t in hits:
+            iid = str(instance_of[name])
+            when[iid] = min(t, when.get(iid, math.inf))
+        with self.store.transaction() as con:
+            for iid, t in sorted(when.items()):
+                for name in nodes.cluster_name[(nodes.instance_id == iid) & (nodes.status == "launched")]:
+                    state.set_status(con, str(name), "down", f"preempt-{iid}", "preempted",
+                                     "spot node taken back (simulated)")
+                inst = self.instances.get(iid)
+                if inst is not None:
+                    inst.serve_until_s = min(inst.serve_until_s, t)
+                    inst.bill_until_s = min(inst.bill_until_s, t)
+        for name in nodes.cluster_name[nodes.instance_id.isin(list(when))]:
+            cloud.down(str(name))
+        return len(hits)
 
     def _track(self, plan: Plan, t0: float) -> int:
         """Read the deployment the reconciler recorded and update each instance's serving and billing times;

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import uuid
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -18,7 +19,8 @@ from coral_dagster.catalog.market import MarketSnapshot
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.day.loop import DayLoop, DayResult, WindowRow
 from coral_dagster.day.serve import SERVE_MODES
-from coral_dagster.day.shape import SIZINGS, peak_rates, window_count
+from coral_dagster.day.shape import SIZINGS, day_spec, peak_rates, window_count
+from coral_dagster.day.spot import spot_prices
 from coral_dagster.day.windows import WindowInputs, write_inputs
 from coral_dagster.errors import CoralError, UnknownNameError
 from coral_dagster.highs import DEFAULT_MAX_NODES
@@ -49,14 +51,16 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
             failure_rate: float = 0.0, seed: int = 0, time_limit_s: float | None = None,
             templates: Sequence[Template] | None = None, store_result: bool = True,
             progress: Callable[[WindowRow], None] | None = None, serve: str = "fluid",
-            sizing: str = "forecast", prices_path: str | None = None, keep_segments: bool = False) -> DayResult:
+            sizing: str = "forecast", prices_path: str | None = None, keep_segments: bool = False,
+            spot: bool | None = None) -> DayResult:
     """Simulate `hours` of the scenario's day with `method` (`static-peak`: Coral's plan for the day's peak rates,
     run all day); the reconciler's records go to a scratch DuckDB file (never the store's own deployment), the
     result to the store's `day_runs` and `day_windows` in one transaction. `serve`: "fluid" estimates each window's
     serving from the capacity up; "requests" serves its traffic request by request (`day.serve`), slower.
     `sizing`: what each re-plan sizes for (`shape.SIZINGS`): a forecast over the start-up lead, or the window.
     `prices_path`: a price file (`--prices`) to plan and bill with instead of the bundled rows. `keep_segments`:
-    store each window's serving inputs too (`day_segments`, `day.windows`), to serve the windows apart later."""
+    store each window's serving inputs too (`day_segments`, `day.windows`), to serve the windows apart later.
+    `spot`: run every node sold on spot there, at its spot price, preemptible (None: the scenario's `day: spot`)."""
     if method not in DAY_METHODS:
         raise UnknownNameError("day method", method, DAY_METHODS)
     if serve not in SERVE_MODES:
@@ -66,6 +70,8 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
     if not (0 < hours <= 24 * 7):
         raise CoralError(f"--hours {hours:g} is outside (0, 168].", "give the hours to simulate, e.g. --hours 24")
     scn = load_scenario(scenario) if isinstance(scenario, str) else scenario
+    if spot is not None:
+        scn = replace(scn, day=replace(day_spec(scn), spot=spot))
     if templates is None:
         templates = library_templates(scn, db_path)
     # Each re-plan: the re-plan path's work limit, under a wall-clock net of half the re-plan interval.
@@ -76,6 +82,10 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
     from coral_dagster.catalog.prices import load_node_prices
 
     prices = price_table(prices_path)
+    if prices is None:
+        prices = load_node_prices()
+    if day_spec(scn).spot:
+        prices = spot_prices(prices)
 
     # The reconciler warns of every rolled-back launch; in a simulated day they are the windows' `nodes_failed`.
     quiet = logging.getLogger("coral_dagster.deploy.reconcile")
@@ -83,7 +93,7 @@ def run_day(scenario: str | Scenario, method: str = "coral", *, hours: float = 2
     quiet.setLevel(logging.ERROR)
     with tempfile.TemporaryDirectory(prefix="coral-day-") as scratch:
         loop = DayLoop(scn, method, planner, Store(Path(scratch) / "deployment.duckdb"),
-                       load_node_prices() if prices is None else prices,
+                       prices,
                        static_rates=peak_rates(scn, window_count(scn, hours)) if static else None,
                        failure_rate=failure_rate, seed=seed, serve_mode=serve, sizing=sizing,
                        keep_segments=keep_segments)
@@ -103,6 +113,7 @@ def store_day(store: Store, scenario: Scenario, result: DayResult, kept: Sequenc
     summary = result.as_dict()
     run = pd.DataFrame([{"run_id": run_id, "scenario": scenario.name, "scenario_key": scenario.scenario_key,
                          "method": result.method, "serve_mode": result.serve_mode, "sizing": result.sizing,
+                         "spot": day_spec(scenario).spot,
                          "hours": result.hours,
                          "replan_interval_min": result.replan_interval_min, "cost_usd": result.cost_usd,
                          "slo_tokens": result.slo_tokens,

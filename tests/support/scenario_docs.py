@@ -68,3 +68,16 @@ def with_field(doc, dotted: str, value):
     elif isinstance(node, dict):
         node[leaf] = value
     return out
+
+
+def day_scenario(tmp: Path, day: dict, nodes: int = 1000, interval_min: float = 60.0, series: dict | None = None):
+    """SMALL with a `day` section, `nodes` of each node configuration (an availability `series` over them) and
+    re-plan windows of `interval_min`, written under `tmp` and loaded."""
+    from coral_dagster.catalog.scenarios import load_scenario
+
+    availability = {"default_nodes": nodes, **({"series": series} if series else {})}
+    doc = small(day=day, availability=availability,
+                allocation={"headroom": 1.1, "replan_interval_min": interval_min, "node_startup_min": 10})
+    path = tmp / f"day-{abs(hash(yaml.safe_dump(doc))) % 10**8}.yml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_scenario(path)
