@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress
 from rich.table import Table
 
 from bench._results import RESULTS, write_result
@@ -84,6 +85,7 @@ def headline(rows: list[dict], bursts: bool = True) -> list[dict]:
         if coral is None or not others:
             continue
         best = min(others, key=lambda r: r["usd_per_million_slo_tokens"])
+        windows = round(coral["hours"] * 60 / coral["replan_interval_min"])
         ratio = best["usd_per_million_slo_tokens"] / coral["usd_per_million_slo_tokens"]
         how = "".join((", no bursts" if not bursts else "",
                        f", peak-to-trough {coral['peak_to_trough']:g}" if coral.get("peak_to_trough") != 2.0 else "",
@@ -94,7 +96,9 @@ def headline(rows: list[dict], bursts: bool = True) -> list[dict]:
                               "$ per million SLO-met tokens",
                     "paper": f"goal ≥ {GOAL_X}× on the large-model scenario" if name == "large" else None,
                     "ours": f"{ratio:.3f}× (bound vs static-peak: peak ÷ mean demand "
-                            f"{coral['demand_peak_over_mean']:.2f}×)", "rule": "slo",
+                            f"{coral['demand_peak_over_mean']:.2f}×; windows below 0.95: Coral "
+                            f"{coral['windows_below_0_95']}, {best['method']} {best['windows_below_0_95']} of "
+                            f"{windows})", "rule": "slo",
                     "availability": ("market profile all day, no series (steady supply)" if coral.get("steady_supply")
                                      else "market profile and its series over the day (data/scenarios/MARKET.md §5)"),
                     "section": "a day (data/scenarios/DAY.md)"})
@@ -140,8 +144,10 @@ def main() -> None:
         limit = scn.replan_interval_min * 30.0
         for method in filter(None, args.methods.split(",")):
             started = time.perf_counter()
-            res = run_day(scn, method, hours=args.hours, db_path=args.db, templates=templates, serve=args.serve,
-                          sizing=args.sizing)
+            with Progress(console=console, transient=True) as bar:
+                task = bar.add_task(f"{name} {method}", total=window_count(scn, args.hours))
+                res = run_day(scn, method, hours=args.hours, db_path=args.db, templates=templates, serve=args.serve,
+                              sizing=args.sizing, progress=lambda row: bar.advance(task))
             wall_s = time.perf_counter() - started
             rows.append(summary(res, limit) | {"rate_scale": scales.get(name, 1.0), "serve_mode": args.serve,
                                                "sizing": args.sizing, "peak_to_trough": day_spec(scn).peak_to_trough,

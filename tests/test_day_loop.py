@@ -168,3 +168,28 @@ def test_static_peak_costs_the_peak_plan_every_hour(workdir):
     assert res.cost_usd == pytest.approx(peak.cost_usd_per_hour * 3.0, rel=1e-9)
     assert {w.replan_s for w in res.windows[1:]} == {0.0}
     assert all(math.isclose(w.plan_usd_per_hour, peak.cost_usd_per_hour) for w in res.windows)
+
+
+def test_a_replan_that_finds_no_plan_in_time_keeps_the_running_plan(workdir, monkeypatch, caplog):
+    """Demand doubles at hour 1, and from then on every solve stops at its limits with no plan (as extended's did at
+    4,000 nodes and 180 s): the day goes on with hour 0's plan, saying so, instead of ending."""
+    import coral_dagster.day.run as day_run
+    from coral_dagster.errors import SolverTimeoutError
+
+    scn = _scenario(workdir, STEP)
+    real, calls = day_run.solve_once, []
+
+    def solve_once(*args, **kwargs):
+        calls.append(kwargs.get("scarcity"))
+        if len(calls) > 1:
+            raise SolverTimeoutError("no plan within 1 node per MIP (test).", "raise --max-nodes.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(day_run, "solve_once", solve_once)
+    loop = _loop(scn, workdir)
+    res = loop.run(hours=3.0)
+    assert len(res.windows) == 3
+    assert all(p is loop.adopted[0] or p.counts() == loop.adopted[0].counts() for p in loop.adopted)
+    assert res.windows[1].nodes_launched == 0 and res.windows[1].served_share < 1.0
+    assert None in calls[1:] and "scale" not in calls[1:], "a timeout is not mistaken for scarcity"
+    assert "the running plan" in caplog.text

@@ -22,27 +22,41 @@ from coral_dagster.day.serve import SERVE_MODES
 from coral_dagster.day.shape import SIZINGS, day_spec, peak_rates, window_count
 from coral_dagster.day.spot import spot_prices
 from coral_dagster.day.windows import WindowInputs, write_inputs
-from coral_dagster.errors import CoralError, UnknownNameError
+from coral_dagster.errors import CoralError, SolverTimeoutError, UnknownNameError
 from coral_dagster.highs import DEFAULT_MAX_NODES
 from coral_dagster.store import Store
 from coral_dagster.store.duck import write_frame
 from coral_dagster.templates.types import Template
 
 DAY_METHODS = ("coral", "homo-ilp", "cauchy", "static-peak")
+log = logging.getLogger(__name__)
 
 
 def method_planner(scenario: Scenario, templates: Sequence[Template], method: str, *, time_limit_s: float,
                    max_nodes: int | None = DEFAULT_MAX_NODES) -> Callable[[Mapping[str, float], MarketSnapshot,
                                                                         Plan | None], Plan]:
     """The re-plan of one window: `method` on the window's rates and market, churn priced against the running
-    plan; where the market cannot carry the demand, the plan serves the largest share it can (scarcity `scale`)."""
-    def plan(rates: Mapping[str, float], market: MarketSnapshot, running: Plan | None) -> Plan:
+    plan; where the market cannot carry the demand, the plan serves the largest share it can (scarcity `scale`).
+    A re-plan that finds no plan within its limits keeps the running plan (the next window tries again)."""
+    def solve(rates: Mapping[str, float], market: MarketSnapshot, running: Plan | None) -> Plan:
         try:
             return solve_once(scenario, method, templates, market, rates, running=running,
                               time_limit_s=time_limit_s, max_nodes=max_nodes)
+        except SolverTimeoutError:
+            raise
         except CoralError:
             return solve_once(scenario, method, templates, market, rates, running=running, scarcity="scale",
                               time_limit_s=time_limit_s, max_nodes=max_nodes)
+
+    def plan(rates: Mapping[str, float], market: MarketSnapshot, running: Plan | None) -> Plan:
+        try:
+            return solve(rates, market, running)
+        except SolverTimeoutError as exc:
+            if running is None:
+                raise
+            log.warning("%s re-plan found no plan within its limits; the running plan %s stays (%s)", method,
+                        running.plan_id, exc.problem)
+            return running
 
     return plan
 
