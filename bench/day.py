@@ -28,6 +28,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from bench._results import RESULTS, write_result
+from coral_dagster.app.processes import stop_on_sigterm
 from coral_dagster.app.scenario_plans import library_templates
 from coral_dagster.catalog.scenarios import Scenario, load_scenario
 from coral_dagster.day.run import DAY_METHODS, run_day, write_timeline
@@ -126,6 +127,7 @@ def main() -> None:
     ap.add_argument("--db", default=None)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    stop_on_sigterm()  # a killed run removes its scratch deployment store, as Ctrl-C does
     scales = _scales(args.scale)
     rows: list[dict] = []
     results: dict[str, list] = {}

@@ -4,6 +4,7 @@ the running plan plus churn), checked against brute force; the same plan, bound 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import multiprocessing
 import random
 import time
@@ -124,3 +125,46 @@ def test_a_work_limited_solve_is_the_same_on_an_idle_and_a_loaded_machine():
             b.join()
     assert _signature(loaded) == _signature(idle)
     assert math.isfinite(idle.mip_bound_usd_per_hour)
+
+
+@pytest.mark.parametrize("seed", _seeds(2))
+def test_a_solve_that_finds_no_plan_returns_the_running_plan_topped_up(seed, monkeypatch):
+    """The running plan is the optimum of 60% of the demand; the main solve is made to end with no plan (as a
+    starved MIP on a large library does). Instead of no plan, one meeting demand comes back, its cost plus churn no
+    more than the cheapest of every integer plan that keeps every running instance and meets demand (brute force:
+    the topped-up plan; the local search after it may only lower that)."""
+    from coral_dagster.allocation import colgen, planner
+    from coral_dagster.errors import SolverTimeoutError
+
+    base = _tiny(seed)
+    lower = _brute_optimum(base.with_changes(demand_tokens_per_s={k: 0.6 * v for k, v in
+                                                                  base.demand_tokens_per_s.items()}))
+    assert lower is not None and _brute_optimum(base) is not None, f"seed {seed}: pick FEASIBLE_SEEDS again"
+    running = {(t.template_id, r): n for (t, r), n in lower[1].items()}
+    problem = base.with_changes(running=running, churn_k=0.5)
+    assert not all(v >= 1 - 1e-7 for v in routed(problem, lower[1]).values()), "the running plan must fall short"
+    real = colgen.solve_min_cost
+
+    def starved(*args, **kwargs):
+        done = real(*args, **kwargs)
+        return replace(done, result=replace(done.result, status="no-solution", values=(), objective=math.nan))
+
+    monkeypatch.setattr(colgen, "solve_min_cost", starved)
+    plan = solve_plan(problem, max_nodes=None)
+    counts = {(i.template, i.region): i.count for i in plan.instances}
+    assert all(v >= 1 - 1e-6 for v in routed(problem, counts).values())
+
+    def objective(c):
+        price = {k: problem.instance_usd_per_hour(*k) for k in c}
+        return sum(n * price[k] * (1 + problem.churn_k) - min(n, lower[1].get(k, 0)) * price[k] * problem.churn_k
+                   for k, n in c.items())
+
+    best = min(objective(c) for c, _ in every_plan(problem, _sold(problem, problem.templates),
+                                                   dict(problem.available_nodes))
+               if all(c.get(k, 0) >= n for k, n in lower[1].items())
+               and all(v >= 1 - 1e-7 for v in routed(problem, c).values()))
+    assert plan.objective_usd_per_hour <= best * (1 + 1e-6)
+    assert "topped up" in " ".join(plan.notes) and plan.status != "optimal"
+    monkeypatch.setattr(planner, "_topped_up", lambda problem, columns, result, *rest: result)
+    with pytest.raises(SolverTimeoutError):  # the contrast: without the fallback the same solve has no plan
+        solve_plan(problem, max_nodes=None)

@@ -264,7 +264,7 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
              *, integer: bool = True, time_limit_s: float = 30.0, gap_rel: float = 1e-4,
              overflow_weight: float | None = None, slack_usd: float | None = None,
              split: Sequence[int] | None = None, start: Sequence[float] | None = None,
-             max_nodes: int | None = None, project: bool = False) -> SolveResult:
+             max_nodes: int | None = None, project: bool = False, keep_running: bool = False) -> SolveResult:
     """Minimise provisioning cost plus churn penalty so every key m gets `targets[m]` (default 1) of D_m, the MIP
     exploring at most `max_nodes` nodes (the work limit; `time_limit_s` is a wall-clock safety net). With
     `project`, an integer solve writes C2 and C2' without the routing shares (`_projected_demand`): off by
@@ -278,13 +278,15 @@ def min_cost(problem: AllocationProblem, columns: Sequence[Column], targets: Map
     `overflow_weight × p_r(c)` each; their values come back in `overflow` keyed by (region, node).
     With `slack_usd`, C2 becomes elastic (column generation only): unmet demand costs `slack_usd` per unit of
     D_m; the unmet fraction comes back in `overflow` keyed by `(model,)`.
+    With `keep_running`, every column keeps at least the instances running now (the running plan topped up).
     """
     pulp = _pulp()
     cat = pulp.LpInteger if integer else pulp.LpContinuous
     prob = pulp.LpProblem("coral_allocation", pulp.LpMinimize)
     k = churn_factor(problem)
     # Variables ν with their bounds (elastic: availability alone bounds ν)
-    nu = [prob.add_variable(f"nu_{i}", lowBound=0, upBound=None if overflow_weight else c.max_count, cat=cat)
+    nu = [prob.add_variable(f"nu_{i}", lowBound=min(c.running, c.max_count) if keep_running else 0,
+                            upBound=None if overflow_weight else c.max_count, cat=cat)
           for i, c in enumerate(columns)]
     churn = {i: prob.add_variable(f"churn_{i}", lowBound=0) for i, c in enumerate(columns) if c.running and k > 0}
     objective = [(nu[i], c.usd_per_hour * (1.0 if i in churn or c.running else 1.0 + k)) for i, c in

@@ -19,6 +19,7 @@ from coral_dagster.highs import DEFAULT_MAX_NODES, SAFETY_NET_S, nodes_explored
 # An incumbent plan counts as meeting demand when every model's routed share is within this of 1 (HiGHS's
 # feasibility tolerance is 1e-6) or its objective within this of the solver's.
 INCUMBENT_TOL = 1e-6
+RUNNING = "the running plan"  # the incumbent a re-plan starts from
 
 SCARCITY_FIX = ("raise availability (`--availability-scale`), lower demand, or plan under scarcity with "
                 "`--scarcity scale` (every model scaled down alike) or `--scarcity fair` (max-min fair share).")
@@ -116,6 +117,22 @@ def incumbent_counts(problem: AllocationProblem, columns: Sequence[Column],
     return tuple(values), sum(i.count * i.usd_per_hour for i in instances) + churn_usd_per_hour(problem, instances)
 
 
+def _topped_up(problem: AllocationProblem, columns: Sequence[Column], result: ilp.SolveResult, time_limit_s: float,
+               max_nodes: int | None, notes: list[str]) -> ilp.SolveResult:
+    """When the solve found no plan: the running plan with the cheapest instances added (cost plus churn) that
+    meet demand, none taken away (a small MIP: every running count is a lower bound), else `result` unchanged."""
+    topped = ilp.min_cost(problem, columns, time_limit_s=time_limit_s, max_nodes=max_nodes, keep_running=True)
+    if topped.status not in ilp.FEASIBLE:
+        return result
+    counts = {(c.template.template_id, c.region): int(v) for c, v in zip(columns, topped.values) if v > 0}
+    found = incumbent_counts(problem, columns, counts)
+    if found is None:
+        return result
+    notes.append(f"the solve found no plan within its limits: {RUNNING} topped up (nothing taken away), "
+                 f"{found[1]:.2f} $/h, is returned")
+    return replace(result, status=ilp.unproven(topped.status), values=found[0], objective=found[1], bound=math.nan)
+
+
 def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity_mode: Scarcity | None = None,
                time_limit_s: float = SAFETY_NET_S, gap_rel: float = 1e-4, prune: bool = True,
                max_nodes: int | None = DEFAULT_MAX_NODES, incumbents: Mapping[str, Plan | None] | None = None,
@@ -141,7 +158,7 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
     timings: dict[str, float] = {}
     given = {name: p.counts() for name, p in (incumbents or {}).items() if p is not None}
     if any(n > 0 for n in problem.running.values()):
-        given["the running plan"] = dict(problem.running)
+        given[RUNNING] = dict(problem.running)
     columns, report = prune_columns(problem, prune_dominated=prune, keep={tid for c in given.values() for tid, _ in c})
     timings["prune_s"] = time.perf_counter() - start
     start = time.perf_counter()  # `solve_s` is the solve alone; preparation and pruning are `prune_s`
@@ -178,6 +195,8 @@ def solve_plan(problem: AllocationProblem, *, method: Method = "coral", scarcity
             result = replace(result, status=ilp.unproven(result.status), values=found[best_name][0],
                              objective=found[best_name][1], bound=bound)
             feasible_lp = True
+        if feasible_lp and result.status == "no-solution" and RUNNING in given:
+            result = _topped_up(problem, columns, result, time_limit_s, max_nodes, notes)
         if feasible_lp and result.status == "no-solution":
             raise SolverTimeoutError(
                 f"the {method} allocation ILP found no plan within {limits} and {time_limit_s:g} s "
