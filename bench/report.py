@@ -33,10 +33,10 @@ TOP = (
     "extended: cauchy ÷ Coral (capacity rule, held-out attainment beside)",
     "extended: homo ÷ Coral (fixed demand)",
     "core default: gap to the proven bound, CPU time",
-    "extended 1:scale: gap to the proven bound, CPU time",
     "large, 24 h day: best baseline (homo-ilp) ÷ Coral, $ per million SLO-met tokens",
-    "large, 24 h day, steady supply: best baseline (homo-ilp) ÷ Coral, $ per million SLO-met tokens",
-    "core x0.25 scale: Coral's delivered ÷ promised share (worst model)",
+    "large, 24 h day, spot: best baseline (static-peak) ÷ Coral, $ per million SLO-met tokens",
+    "extended x1 scale: Coral ÷ cauchy simulated goodput",
+    "extended x1 scale: Coral's delivered ÷ promised share (worst model)",
 )
 
 
