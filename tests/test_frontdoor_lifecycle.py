@@ -22,7 +22,7 @@ from coral_dagster.runtime.node import EngineNode
 from coral_dagster.runtime.scheduler import Scheduler
 from coral_dagster.runtime.security import CurveKeys
 from support.runtime_fakes import background
-from support.runtime_procs import gone, kill_all
+from support.runtime_procs import gone, kill_all, remember
 
 pytest.importorskip("coral_dagster.runtime.torch_engine")
 from support.openai_stack import CFG, KEY, MODEL, PROMPT, TIMING, CountingEngine, Served  # noqa: E402 - needs torch
@@ -148,6 +148,7 @@ def test_pd_readiness_means_a_request_is_served():
     try:
         dep.start()
         pids = [p.pid for p in dep.procs.values()]
+        remember(pids)
         auth = {"Authorization": f"Bearer {dep.api_key}"}
         deadline = time.monotonic() + 120
         seen: list[tuple[str, int]] = []

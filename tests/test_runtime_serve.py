@@ -19,6 +19,7 @@ from coral_dagster.runtime.local import free_port
 pytest.importorskip("torch")
 
 from support.serve_reference import MAX_TOKENS, PROMPTS, reference  # noqa: E402
+from support.runtime_procs import kill_all, remember  # noqa: E402
 
 FAST = ["--heartbeat-s", "0.2", "--dead-after-s", "1.5"]
 
@@ -55,6 +56,7 @@ def serve_local(log_dir, *args: str):
     try:
         line = _read_line(proc, 60)
         info = json.loads(line)
+        remember(info.get("pids", {}).values())
         assert info["ready"] and info["http"] == f"http://127.0.0.1:{port}"
         yield info
     finally:
@@ -64,11 +66,7 @@ def serve_local(log_dir, *args: str):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-        for pid in info.get("pids", {}).values():
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_all(info.get("pids", {}).values())
 
 
 @pytest.mark.parametrize("extra", [[], ["--pd"]], ids=["aggregated", "pd-handoff"])

@@ -38,6 +38,27 @@ def bindable(port: int) -> bool:
         return True
 
 
+def test_clean_up_never_kills_a_later_process_given_a_dead_ones_pid(monkeypatch):
+    """The machine recycles pids (pid_max 32,768), so the tests' clean-up names a process by pid and start time: a
+    process running under a pid first seen on another (the remembered start time differs) counts as gone, and
+    `kill_all` leaves it running; the process first seen there is killed."""
+    from support import runtime_procs
+
+    first, later = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        runtime_procs.remember([first.pid, later.pid])
+        assert not gone(first.pid) and not gone(later.pid)
+        monkeypatch.setitem(runtime_procs._BORN, later.pid, "0")  # as if seen at boot, before this process
+        assert gone(later.pid)
+        kill_all([first.pid, later.pid])
+        assert first.wait(timeout=10) == -signal.SIGKILL
+        assert later.poll() is None
+    finally:
+        for p in (first, later):
+            p.kill()
+            p.wait()
+
+
 def test_children_die_with_a_killed_serve_local(tmp_path):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "coral_dagster.cli.serve", "local", "--model", MODEL, "--split",

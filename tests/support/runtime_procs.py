@@ -21,10 +21,24 @@ def _stat(pid: int) -> list[str] | None:
         return None
 
 
+# Start time (clock ticks after boot) of each pid seen running: with pid_max at 32,768 a dead process's pid is soon
+# another's, possibly the other test worker's, so a pid names the process first seen under it, never its successor.
+_BORN: dict[int, str] = {}
+
+
+def remember(pids) -> None:
+    """Record which process each running pid of `pids` is, for `gone` and `kill_all`."""
+    for pid in pids:
+        fields = _stat(pid)
+        if fields is not None and fields[0] != "Z":
+            _BORN.setdefault(pid, fields[19])
+
+
 def gone(pid: int) -> bool:
-    """True once `pid` no longer runs (absent, or a zombie waiting for its parent or init to reap it)."""
+    """True once `pid` no longer runs (absent, a zombie waiting for its parent or init to reap it, or its pid taken
+    by a process started since); the process running now under `pid` is remembered as its owner."""
     fields = _stat(pid)
-    return fields is None or fields[0] == "Z"
+    return fields is None or fields[0] == "Z" or _BORN.setdefault(pid, fields[19]) != fields[19]
 
 
 def pgid(pid: int) -> int | None:
@@ -45,12 +59,15 @@ def descendants(pid: int) -> set[int]:
             if child not in found:
                 found.add(child)
                 todo.append(child)
+    remember(found | {pid})
     return found
 
 
 def kill_all(pids) -> None:
-    """SIGKILL whichever of `pids` still run (a test's clean-up)."""
+    """SIGKILL whichever of `pids` still run (a test's clean-up), never a later process given a dead one's pid."""
     for pid in pids:
+        if gone(pid):
+            continue
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -84,4 +101,6 @@ def start_helpers(pid_file: str, then_raise: bool = False) -> None:
 
 def read_pids(pid_file: Path, timeout_s: float = 60) -> dict[str, int]:
     wait_for(pid_file.exists, timeout_s, f"{pid_file} was not written")
-    return json.loads(pid_file.read_text())
+    pids = json.loads(pid_file.read_text())
+    remember(pids.values())
+    return pids
