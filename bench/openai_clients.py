@@ -23,8 +23,8 @@ from bench._args import cell, names
 from bench._results import write_result
 
 MODEL = "tiny-llama"
-HEADER = ("client", "concurrency", "sent", "completed", "errors", "output_tokens", "ttft_ms_p50", "itl_ms_p50",
-          "output_tokens_per_s", "requests_per_s")
+HEADER = ("client", "concurrency", "sent", "completed", "errors", "unfinished", "output_tokens", "ttft_ms_p50",
+          "itl_ms_p50", "output_tokens_per_s", "requests_per_s")
 
 
 @dataclass(frozen=True)
@@ -62,12 +62,14 @@ def run_guidellm(env: dict[str, str], server: Server, load: Load, out: Path) -> 
 
 
 def guidellm_row(bench: dict) -> dict:
-    """A guidellm benchmark's figures: its scheduler's request counts, medians over completed requests, mean
-    throughput."""
+    """A guidellm benchmark's figures: its scheduler's request counts (unfinished: created but not processed when
+    it closed the benchmark; on a loaded machine guidellm 0.8.1 may close one while its last request streams),
+    medians over completed requests, mean throughput."""
     m, state = bench["metrics"], bench["scheduler_state"]
     return {"client": "guidellm", "concurrency": bench["config"]["strategy"]["streams"],
             "sent": state["created_requests"], "completed": state["successful_requests"],
             "errors": state["errored_requests"] + state["cancelled_requests"],
+            "unfinished": state["created_requests"] - state["processed_requests"],
             "output_tokens": round(m["output_token_count"]["successful"]["total_sum"]),
             "ttft_ms_p50": m["time_to_first_token_ms"]["successful"]["median"],
             "itl_ms_p50": m["inter_token_latency_ms"]["successful"]["median"],
@@ -97,8 +99,9 @@ def run_aiperf(env: dict[str, str], server: Server, load: Load, out: Path) -> li
 def aiperf_row(doc: dict, concurrency: int) -> dict:
     """An aiperf profile's figures: its own request and error counts, medians over requests, throughput."""
     errors = sum(e.get("count", 1) for e in doc["error_summary"])
-    return {"client": "aiperf", "concurrency": concurrency, "sent": round(doc["request_count"]["avg"]),
-            "completed": round(doc["completed_request_count"]["avg"]), "errors": errors,
+    sent, completed = round(doc["request_count"]["avg"]), round(doc["completed_request_count"]["avg"])
+    return {"client": "aiperf", "concurrency": concurrency, "sent": sent, "completed": completed, "errors": errors,
+            "unfinished": max(0, sent - completed - errors),
             "output_tokens": round(doc["total_output_tokens"]["avg"]),
             "ttft_ms_p50": doc["time_to_first_token"]["p50"], "itl_ms_p50": doc["inter_token_latency"]["p50"],
             "output_tokens_per_s": doc["output_token_throughput"]["avg"],

@@ -11,17 +11,15 @@ import socket
 import time
 from contextlib import ExitStack
 
-import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from coral_dagster.runtime.generate import generate
 from coral_dagster.runtime.sampling import SamplingParams
 from coral_dagster.runtime.tokenizer import ByteTokenizer, apply_chat_template
 
 pytest.importorskip("coral_dagster.runtime.torch_engine")
-from support.openai_stack import CFG, KEY, MODEL, PROMPT, Served  # noqa: E402 - needs torch
+from support.openai_stack import CFG, KEY, MODEL, PROMPT, Served, scrape  # noqa: E402 - needs torch
 
 
 @pytest.fixture(scope="module")
@@ -239,16 +237,11 @@ def test_a_client_that_disconnects_stops_its_generation_on_every_stage(served):
 
 
 def test_metrics_count_requests_tokens_and_latencies(served):
-    def scrape() -> dict:
-        text = httpx.get(f"{served.url}/metrics").text
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for f in text_string_to_metric_families(text) for s in f.samples}
-
-    before = scrape()
+    before = scrape(served.url)
     served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=7, extra_body={"ignore_eos": True})
     with pytest.raises(openai.BadRequestError):
         served.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"nope": 1})
-    after = scrape()
+    after = scrape(served.url)
 
     def grew(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import subprocess
+import time
 from pathlib import Path
 
 import jsonschema
@@ -20,6 +21,7 @@ from coral_dagster.runtime.frontdoor import _detokenize
 from coral_dagster.runtime.hf_export import export_tiny
 from coral_dagster.runtime.local import LocalDeployment, local_instances
 from coral_dagster.runtime.tokenizer import BOS, EOS, ByteTokenizer
+from support.openai_stack import scrape
 
 MODEL = "tiny-llama"
 LOAD = Load(concurrencies=(1, 4), requests=8, prompt_tokens=32, output_tokens=16)
@@ -81,13 +83,30 @@ def served(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("run", [run_guidellm, run_aiperf], ids=["guidellm", "aiperf"])
 def test_a_benchmark_client_streams_every_request_without_errors(run, served, clients_env, tmp_path):
+    """The client sends every request and counts no error; the server finished each at its length (its own
+    counters, vLLM's `request_success` and `generation_tokens`), and each the client saw end streamed exactly the
+    tokens asked for. A request the client still held open when it closed its benchmark (guidellm's scheduler, on
+    a loaded machine) is counted unfinished by the client, never an error, and finished by the server."""
+    before = scrape(served.url)
     rows = run(clients_env, served, LOAD, tmp_path)
     assert [r["concurrency"] for r in rows] == list(LOAD.concurrencies)
     for r in rows:
-        assert (r["sent"], r["completed"], r["errors"]) == (LOAD.requests, LOAD.requests, 0), r
+        assert (r["sent"], r["errors"], r["completed"] + r["unfinished"]) == (LOAD.requests, 0, LOAD.requests), r
         # EOS ignored: every request streamed exactly the tokens asked for, as the client counted them.
-        assert r["output_tokens"] == LOAD.requests * LOAD.output_tokens, r
+        assert r["output_tokens"] == r["completed"] * LOAD.output_tokens, r
         assert min(r["ttft_ms_p50"], r["itl_ms_p50"], r["output_tokens_per_s"], r["requests_per_s"]) > 0, r
+    sent = len(LOAD.concurrencies) * LOAD.requests
+
+    def grew(name: str, **labels) -> float:
+        key = (name, tuple(sorted({"model_name": MODEL, **labels}.items())))
+        return scrape(served.url).get(key, 0) - before.get(key, 0)
+
+    deadline = time.monotonic() + 30
+    while grew("vllm:request_success_total", finished_reason="length") < sent and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert grew("vllm:request_success_total", finished_reason="length") == sent
+    assert grew("vllm:request_success_total", finished_reason="abort") == 0
+    assert grew("vllm:generation_tokens_total") == sent * LOAD.output_tokens
 
 
 @pytest.mark.slow

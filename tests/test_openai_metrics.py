@@ -9,14 +9,12 @@ import threading
 import time
 from contextlib import ExitStack
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from coral_dagster.runtime.tokenizer import ByteTokenizer
 
 pytest.importorskip("coral_dagster.runtime.torch_engine")
-from support.openai_stack import MODEL, PROMPT, Served  # noqa: E402 - needs torch
+from support.openai_stack import MODEL, PROMPT, Served, scrape  # noqa: E402 - needs torch
 
 # vLLM 0.32's request_latency_buckets, copied from its source (the oracle a Grafana dashboard was built against).
 VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
@@ -27,12 +25,6 @@ VLLM_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 def served():
     with ExitStack() as stack:
         yield Served(stack)
-
-
-def scrape(url: str) -> dict:
-    text = httpx.get(f"{url}/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 def test_vllm_families_count_what_the_client_saw(served):

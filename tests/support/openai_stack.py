@@ -10,6 +10,7 @@ from contextlib import ExitStack
 import httpx
 import openai
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from coral_dagster.runtime.config import CoordinatorConfig, NodeSettings, SchedulerConfig, Timing
 from coral_dagster.runtime.coordinator import Coordinator
@@ -27,6 +28,13 @@ CFG = decoder_config(MODEL)
 TIMING = Timing(heartbeat_s=0.1, dead_after_s=2.0, request_timeout_s=30.0)
 KEY = "openai-test-key"
 PROMPT = "The coral reef"
+
+
+def scrape(url: str) -> dict:
+    """A front door's /metrics: each sample's value by (name, sorted labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
 
 
 class CountingEngine(TorchEngine):
