@@ -86,8 +86,8 @@ def _built(request, key: pytest.StashKey[subprocess.Popen], build, what: str) ->
 
 @pytest.fixture(scope="session")
 def vllm_node_env(request) -> dict[str, str]:
-    """The vLLM CPU node environment built by sky_tasks/setup_node.sh (cached per machine: ~14 min the first time
-    on 2 cores, then reused); only slow tests take it."""
+    """The vLLM CPU node environment built by sky_tasks/setup_node.sh (cached per machine: about 3 min the first
+    time on 2 cores, then reused); only slow tests take it."""
     from support.node_env import build_node_env
 
     return _built(request, BUILD, build_node_env, "node environment")
