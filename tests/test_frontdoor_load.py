@@ -13,6 +13,7 @@ import httpx
 from coral_dagster.runtime.config import Timing
 from coral_dagster.runtime.local import LocalDeployment, local_instances
 from support.runtime_procs import descendants, gone, kill_all
+from support.openai_stack import scrape
 
 
 MODEL = "tiny-llama"
@@ -46,11 +47,7 @@ async def _load(url: str, key: str) -> list:
 
 
 def _generated(url: str) -> float:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "coral_generation_tokens_total")
+    return sum(v for (name, _), v in scrape(url).items() if name == "coral_generation_tokens_total")
 
 
 def test_256_streaming_clients_a_third_hanging_up():

@@ -27,11 +27,9 @@ _BORN: dict[int, str] = {}
 
 
 def remember(pids) -> None:
-    """Record which process each running pid of `pids` is, for `gone` and `kill_all`."""
+    """Record which process each running pid of `pids` is, for `gone` and `kill_all` (`gone` records it)."""
     for pid in pids:
-        fields = _stat(pid)
-        if fields is not None and fields[0] != "Z":
-            _BORN.setdefault(pid, fields[19])
+        gone(pid)
 
 
 def gone(pid: int) -> bool:
