@@ -158,7 +158,8 @@ def test_pd_readiness_means_a_request_is_served():
                 try:
                     health = c.get(f"{dep.http_url}/health").status_code
                     models = c.get(f"{dep.http_url}/v1/models", headers=auth)
-                except httpx.TransportError:
+                except httpx.TransportError:  # not listening yet: poll, not spin (2 cores boot the stages)
+                    time.sleep(0.02)
                     continue
                 ready = health == 200 or (models.status_code == 200 and models.json()["data"])
                 seen.append(("ready" if ready else "not ready", health))
